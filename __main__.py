@@ -1,0 +1,5 @@
+import sys
+
+from onegraph.cli import main
+
+sys.exit(main())

@@ -1,0 +1,17 @@
+"""onegraph custom ops: one file per op (schema, validation, pure-torch reference, fake, lowerings).
+
+Importing this package registers every op under `torch.ops.onegraph`.
+"""
+from ._registry import PYTHON_CALLS, REGISTRY, decompositions, schema_versions  # noqa: F401
+from .add_rms_norm import add_rms_norm  # noqa: F401
+from .attention_decode import attention_decode  # noqa: F401
+from .attention_prefill import attention_prefill  # noqa: F401
+from .causal_conv_prefill import causal_conv_prefill  # noqa: F401
+from .causal_conv_update import causal_conv_update  # noqa: F401
+from .fused_moe import fused_moe  # noqa: F401
+from .gated_rms_norm import gated_rms_norm  # noqa: F401
+from .gdn_decode_step import gdn_decode_step  # noqa: F401
+from .gdn_prefill import gdn_prefill  # noqa: F401
+from .rms_norm import rms_norm  # noqa: F401
+from .rope import rope  # noqa: F401
+from .sample import sample  # noqa: F401

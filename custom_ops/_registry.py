@@ -1,0 +1,90 @@
+"""The op registry: every onegraph op, its schema version, its reference and its lowerings.
+
+An op is `torch.library.custom_op("onegraph::<name>")`, functional (returns new state, mutates
+nothing: ops declared with `mutates_args` hide from `run_decompositions`, see FACTS.md). Its eager
+implementation is the pure-torch reference, wrapped in a counter: an exported artifact must never
+call it (that would be a Python callback on every run), and tests assert the counter stays 0.
+
+Lowerings per device: "decompose" means export replaces the op by its reference traced to aten,
+which AOTInductor compiles to C++ (CPU) or Triton (CUDA). A device with no lowering fails closed
+in `decompositions()`.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Callable
+
+import torch
+
+NAMESPACE = "onegraph"
+# name -> number of times the Python implementation ran (eager, or a leaked Python op).
+PYTHON_CALLS: collections.Counter = collections.Counter()
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+    name: str
+    version: int
+    schema: str
+    reference: Callable
+    op: object                      # the CustomOpDef (callable)
+    lowerings: dict                 # device type -> "decompose" | "triton"
+
+    @property
+    def overload(self) -> torch._ops.OpOverload:
+        return getattr(getattr(torch.ops, NAMESPACE), self.name).default
+
+
+REGISTRY: dict[str, OpSpec] = {}
+
+
+def define_op(name: str, *, version: int, schema: str, reference: Callable, validate: Callable,
+              fake: Callable, lowerings: dict | None = None):
+    """Register onegraph::<name>; returns the callable op."""
+    if name in REGISTRY:
+        raise RuntimeError(f"op onegraph::{name} registered twice")
+
+    def impl(*args):
+        validate(*args)
+        PYTHON_CALLS[name] += 1
+        return reference(*args)
+
+    def fake_impl(*args):
+        validate(*args)
+        return fake(*args)
+
+    op = torch.library.custom_op(f"{NAMESPACE}::{name}", impl, mutates_args=(), schema=schema)
+    op.register_fake(fake_impl)
+    REGISTRY[name] = OpSpec(name, version, schema, reference, op,
+                            dict(lowerings or {"cpu": "decompose", "cuda": "decompose", "xpu": "decompose"}))
+    return op
+
+
+def schema_versions() -> dict[str, int]:
+    """Recorded in the artifact manifest; the runtime refuses an artifact whose versions differ."""
+    return {n: s.version for n, s in sorted(REGISTRY.items())}
+
+
+def decompositions(device_type: str) -> dict:
+    """Decomposition table for `ExportedProgram.run_decompositions`; fails closed per device."""
+    table = {}
+    for spec in REGISTRY.values():
+        how = spec.lowerings.get(device_type)
+        if how is None:
+            raise NotImplementedError(f"op onegraph::{spec.name} has no lowering for device {device_type!r}")
+        if how == "decompose":
+            table[spec.overload] = spec.reference
+    return table
+
+
+def check_shape(t: torch.Tensor, shape: tuple, what: str, dtype=None) -> None:
+    """Raise ValueError naming `what` unless t matches `shape` (None = any size) and dtype."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{what}: expected a tensor, got {type(t).__name__}")
+    ok = t.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, t.shape))
+    if not ok:
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{what}: expected shape {want}, got {list(t.shape)}")
+    if dtype is not None and t.dtype not in (dtype if isinstance(dtype, tuple) else (dtype,)):
+        raise ValueError(f"{what}: expected dtype {dtype}, got {t.dtype}")

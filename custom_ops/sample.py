@@ -1,0 +1,71 @@
+"""sample: next-token choice inside the graph — greedy, or temperature / top-k / top-p sampling
+driven by a counter-based RNG, branch-free per row.
+
+logits [B, V]; temperature [B] fp32 (<= 0 means greedy); top_k [B] int64 (<= 0 means all);
+top_p [B] fp32 (1 means all); seed [B] int64; position [B] int64 (the position of the token
+being fed: the sample for a given (seed, position) never depends on batch neighbours or on
+replay count). -> ids [B] int64.
+
+Sampling is Gumbel-max over the kept set: argmax(logits/T + gumbel(u)), u = hash(seed, position,
+token id) — a 32-bit integer hash (lowbias32) computed in int64 arithmetic, identical on every
+device and backend.
+"""
+import torch
+
+from ._registry import check_shape, define_op
+
+SCHEMA = ("(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor seed, Tensor position)"
+          " -> Tensor")
+MASK32 = 0xFFFFFFFF
+
+
+def _validate(logits, temperature, top_k, top_p, seed, position):
+    if logits.dim() != 2:
+        raise ValueError(f"sample logits: expected shape [B, V], got {list(logits.shape)}")
+    B = logits.shape[0]
+    check_shape(temperature, (B,), "sample temperature", torch.float32)
+    check_shape(top_k, (B,), "sample top_k", torch.int64)
+    check_shape(top_p, (B,), "sample top_p", torch.float32)
+    check_shape(seed, (B,), "sample seed", torch.int64)
+    check_shape(position, (B,), "sample position", torch.int64)
+
+
+def _mix32(x):
+    """lowbias32 on values in [0, 2^32), kept exact in int64 (products wrap; low 32 bits survive)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & MASK32
+    return x ^ (x >> 16)
+
+
+def uniform(seed, position, vocab: int, device):
+    """[B] x [B] -> u [B, V] in (0, 1), a pure function of (seed, position, token id)."""
+    s = _mix32(seed & MASK32) ^ _mix32((seed >> 32) & MASK32 ^ 0x9E3779B9)
+    h = _mix32(s ^ _mix32(position & MASK32))[:, None]                      # [B, 1]
+    tok = torch.arange(vocab, device=device, dtype=torch.int64)[None, :]
+    r = _mix32(h ^ _mix32(tok + 0x632BE5AB & MASK32))
+    return (r.double() + 0.5) / 4294967296.0
+
+
+def reference_sample(logits, temperature, top_k, top_p, seed, position):
+    B, V = logits.shape
+    logits = logits.float()
+    greedy = logits.argmax(-1)
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    scaled = logits / t[:, None]
+    srt, order = torch.sort(scaled, dim=-1, descending=True)               # [B, V]
+    probs = torch.softmax(srt, dim=-1)
+    before = probs.cumsum(-1) - probs                                      # mass ranked above
+    rank = torch.arange(V, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V))[:, None]
+    keep = (rank < k) & (before < top_p[:, None]) | (rank == 0)
+    u = uniform(seed, position, V, logits.device).gather(1, order)          # noise of each ranked token
+    gumbel = -torch.log(-torch.log(u)).float()
+    choice = torch.where(keep, srt + gumbel, torch.full_like(srt, float("-inf"))).argmax(-1)
+    sampled = order.gather(1, choice[:, None])[:, 0]
+    return torch.where(temperature > 0, sampled, greedy)
+
+
+sample = define_op("sample", version=1, schema=SCHEMA, reference=reference_sample, validate=_validate,
+                   fake=lambda logits, *r: logits.new_empty((logits.shape[0],), dtype=torch.int64))

@@ -1,0 +1,64 @@
+"""Eager generation over the traced entry points (the reference every graph is compared with).
+
+The same `prefill` / `decode` functions that export traces run here op by op, so eager and replay
+differ only in how they are executed, never in what they compute.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .qwen3_5 import Qwen35Model, new_state
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def tensors(self, n: int, device) -> list[torch.Tensor]:
+        return [torch.full((n,), float(self.temperature), dtype=torch.float32, device=device),
+                torch.full((n,), int(self.top_k), dtype=torch.int64, device=device),
+                torch.full((n,), float(self.top_p), dtype=torch.float32, device=device),
+                torch.full((n,), int(self.seed), dtype=torch.int64, device=device)]
+
+
+@dataclasses.dataclass
+class EagerResult:
+    token_ids: list[int]
+    logits: list[torch.Tensor]       # fp32 [vocab] for each generated token (the logits it came from)
+    finish_reason: str
+
+
+def i64(values, device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+@torch.no_grad()
+def generate_eager(model: Qwen35Model, prompt_ids: list[int], max_new_tokens: int,
+                   sampling: SamplingParams | None = None, stop_ids=(), max_seq_len: int | None = None,
+                   prefill_chunk: int | None = None) -> EagerResult:
+    """Prefill the prompt (in chunks of `prefill_chunk`, default one shot) into slot 0, then decode."""
+    sp = sampling or SamplingParams()
+    dev = model.inv_freq.device
+    dtype = model.embed_tokens.weight.dtype
+    max_seq_len = max_seq_len or len(prompt_ids) + max_new_tokens
+    state = new_state(model.cfg, 1, max_seq_len, dtype, dev)
+    slot = i64([0], dev)
+    chunk = prefill_chunk or len(prompt_ids)
+    for start in range(0, len(prompt_ids), chunk):
+        part = prompt_ids[start:start + chunk]
+        nxt, logits = model.prefill(i64(part, dev), slot, i64([start], dev), i64([len(part)], dev),
+                                    *sp.tensors(1, dev), *state)
+    out, all_logits = [int(nxt[0])], [logits[0]]
+    pos = len(prompt_ids)
+    while len(out) < max_new_tokens and out[-1] not in stop_ids:
+        nxt, logits = model.decode(i64([out[-1]], dev), slot, i64([pos], dev), *sp.tensors(1, dev), *state)
+        out.append(int(nxt[0]))
+        all_logits.append(logits[0])
+        pos += 1
+    finish = "stop" if out[-1] in stop_ids else "length"
+    return EagerResult(out[:max_new_tokens], all_logits[:max_new_tokens], finish)

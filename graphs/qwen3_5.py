@@ -1,0 +1,261 @@
+"""Qwen3.5/3.6 hybrid (Gated DeltaNet + gated full attention + MoE or dense MLP), written for tracing.
+
+Contract (ARCHITECTURE.md "Model graph"):
+- Parameters carry the HF names without the `model.` prefix (experts fused as gate_up_proj
+  [E, 2I, H] and down_proj [E, H, I]), so weights.py is a key mapping and nothing more.
+- State is a flat list of tensors owned by the caller and mutated in place by both entry points,
+  laid out by `state_spec` (S = slots + 1; the last slot is scratch for padding rows):
+    per full-attention layer: k_cache, v_cache [S, KVH, Tmax, D] (model dtype)
+    per GDN layer:            conv [S, C, W-1] (model dtype), rec [S, HV, K, V] (fp32)
+- decode(tokens[B], slots[B], positions[B], temperature[B], top_k[B], top_p[B], seed[B], *state)
+    -> (next_ids [B] int64, logits [B, vocab] fp32)
+- prefill(tokens[T], slot[1], start_pos[1], n_valid[1], temperature[1], top_k[1], top_p[1],
+          seed[1], *state) -> (next_id [1] int64, last_logits [1, vocab] fp32)
+  Tokens n_valid..T-1 are padding: their KV writes go to the scratch slot and their GDN gates are
+  zeroed, so a padded chunk leaves the same state as an exact one.
+No Python control flow depends on tensor values; no env reads; no device branches.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from onegraph import custom_ops  # noqa: F401  (registers torch.ops.onegraph)
+
+from .config import ModelConfig
+
+ops = torch.ops.onegraph
+GDN_CHUNK = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class StateTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def state_spec(cfg: ModelConfig, slots: int, max_seq_len: int, dtype: torch.dtype) -> list[StateTensor]:
+    """The state layout for `slots` request slots (+1 scratch slot) of up to max_seq_len tokens."""
+    S = slots + 1
+    spec = []
+    for i, kind in enumerate(cfg.layer_types):
+        if kind == "full_attention":
+            kv = (S, cfg.num_kv_heads, max_seq_len, cfg.head_dim)
+            spec += [StateTensor(f"layer{i}.k_cache", kv, dtype), StateTensor(f"layer{i}.v_cache", kv, dtype)]
+        else:
+            spec += [StateTensor(f"layer{i}.conv", (S, cfg.conv_dim, cfg.conv_kernel - 1), dtype),
+                     StateTensor(f"layer{i}.rec", (S, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim),
+                                 torch.float32)]
+    return spec
+
+
+def new_state(cfg: ModelConfig, slots: int, max_seq_len: int, dtype: torch.dtype, device="cpu") -> list[torch.Tensor]:
+    # zeros, never empty: padding rows read the scratch slot and NaN garbage would leak
+    return [torch.zeros(t.shape, dtype=t.dtype, device=device) for t in state_spec(cfg, slots, max_seq_len, dtype)]
+
+
+def _linear(n_in, n_out, bias=False):
+    return nn.Linear(n_in, n_out, bias=bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n))
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        H, C = cfg.hidden_size, cfg.conv_dim
+        vd = cfg.linear_v_heads * cfg.linear_v_dim
+        self.cfg = cfg
+        self.in_proj_qkv = _linear(H, C)
+        self.in_proj_z = _linear(H, vd)
+        self.in_proj_b = _linear(H, cfg.linear_v_heads)
+        self.in_proj_a = _linear(H, cfg.linear_v_heads)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.zeros(C, 1, cfg.conv_kernel))   # HF layout [C, 1, W]
+        self.A_log = nn.Parameter(torch.zeros(cfg.linear_v_heads))
+        self.dt_bias = nn.Parameter(torch.ones(cfg.linear_v_heads))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(cfg.linear_v_dim))
+        self.out_proj = _linear(vd, H)
+
+    def _finish(self, core, x):
+        """core [N, HV, V], x [N, H] (normed input) -> [N, H]."""
+        cfg = self.cfg
+        z = self.in_proj_z(x).reshape(-1, cfg.linear_v_dim)
+        y = ops.gated_rms_norm(core.reshape(-1, cfg.linear_v_dim), z, self.norm.weight, cfg.rms_norm_eps)
+        return self.out_proj(y.reshape(x.shape[0], -1))
+
+    def decode(self, x, slots, conv, rec):
+        """x [B, H] -> [B, H]; writes this step's conv/rec rows of `slots`."""
+        core, new_conv, new_rec = ops.gdn_decode_step(
+            self.in_proj_qkv(x), self.in_proj_a(x), self.in_proj_b(x), conv, rec, slots,
+            self.conv1d.weight[:, 0, :], self.A_log, self.dt_bias, self.cfg.linear_k_heads)
+        conv.index_copy_(0, slots, new_conv)
+        rec.index_copy_(0, slots, new_rec)
+        return self._finish(core, x)
+
+    def prefill(self, x, slot, n_valid, conv, rec):
+        """x [T, H] -> [T, H]; tokens >= n_valid are padding and leave the state untouched."""
+        cfg = self.cfg
+        qkv, new_conv = ops.causal_conv_prefill(self.in_proj_qkv(x), conv, slot, n_valid, self.conv1d.weight[:, 0, :])
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)   # [T, HV]
+        beta = self.in_proj_b(x).sigmoid().float()
+        valid = (torch.arange(x.shape[0], device=x.device) < n_valid)[:, None]
+        g, beta = g * valid, beta * valid
+        core, new_rec = ops.gdn_prefill(qkv, g, beta, rec, slot, cfg.linear_k_heads, GDN_CHUNK)
+        conv.index_copy_(0, slot, new_conv)
+        rec.index_copy_(0, slot, new_rec)
+        return self._finish(core, x)
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.cfg = cfg
+        self.q_proj = _linear(H, cfg.num_heads * D * 2, cfg.attention_bias)    # query ‖ gate per head
+        self.k_proj = _linear(H, cfg.num_kv_heads * D, cfg.attention_bias)
+        self.v_proj = _linear(H, cfg.num_kv_heads * D, cfg.attention_bias)
+        self.o_proj = _linear(cfg.num_heads * D, H, cfg.attention_bias)
+        self.q_norm = RMSNorm(D)
+        self.k_norm = RMSNorm(D)
+        self.scale = D ** -0.5
+
+    def _qkv(self, x, positions, inv_freq):
+        """x [N, H] -> q [N, Hq, D], gate [N, Hq*D], k, v [N, KVH, D] (normed, rotated)."""
+        cfg, N = self.cfg, x.shape[0]
+        qg = self.q_proj(x).view(N, cfg.num_heads, 2 * cfg.head_dim)
+        q, gate = qg[..., : cfg.head_dim], qg[..., cfg.head_dim:].reshape(N, -1)
+        q = ops.rms_norm(q, self.q_norm.weight, cfg.rms_norm_eps)
+        k = ops.rms_norm(self.k_proj(x).view(N, cfg.num_kv_heads, cfg.head_dim), self.k_norm.weight, cfg.rms_norm_eps)
+        v = self.v_proj(x).view(N, cfg.num_kv_heads, cfg.head_dim)
+        return ops.rope(q, positions, inv_freq), gate, ops.rope(k, positions, inv_freq), v
+
+    def _out(self, o, gate):
+        return self.o_proj(o.reshape(o.shape[0], -1) * torch.sigmoid(gate))
+
+    def decode(self, x, slots, positions, inv_freq, k_cache, v_cache):
+        positions = positions.clamp(0, k_cache.shape[2] - 1)     # never index past the cache
+        q, gate, k, v = self._qkv(x, positions, inv_freq)
+        k_cache[slots, :, positions] = k   # [B, KVH, D] at (slot, :, pos)
+        v_cache[slots, :, positions] = v
+        return self._out(ops.attention_decode(q, k_cache, v_cache, slots, positions, self.scale), gate)
+
+    def prefill(self, x, slot, start_pos, n_valid, inv_freq, k_cache, v_cache):
+        T = x.shape[0]
+        i = torch.arange(T, device=x.device)
+        positions = start_pos + i
+        q, gate, k, v = self._qkv(x, positions, inv_freq)
+        # padding tokens write into the scratch slot (last), at a clamped position
+        scratch = k_cache.shape[0] - 1
+        valid = i < n_valid
+        w_slot = torch.where(valid, slot.expand(T), torch.full_like(slot.expand(T), scratch))
+        w_pos = torch.where(valid, positions, positions.clamp(max=k_cache.shape[2] - 1))
+        k_cache[w_slot, :, w_pos] = k
+        v_cache[w_slot, :, w_pos] = v
+        return self._out(ops.attention_prefill(q, k_cache, v_cache, slot, start_pos, self.scale), gate)
+
+
+class SparseMoe(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        H, E, I, Is = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate, cfg.shared_intermediate
+        self.top_k = cfg.top_k
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(torch.zeros(E, H))
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, H))
+        self.experts.down_proj = nn.Parameter(torch.zeros(E, H, I))
+        self.shared_expert = DenseMlp(H, Is)
+        self.shared_expert_gate = _linear(H, 1)
+
+    def forward(self, x):
+        se = self.shared_expert
+        return ops.fused_moe(x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj,
+                             se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight,
+                             self.shared_expert_gate.weight, self.top_k)
+
+
+class DenseMlp(nn.Module):
+    def __init__(self, H, I):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = _linear(H, I), _linear(H, I), _linear(I, H)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, kind: str):
+        super().__init__()
+        self.kind = kind
+        if kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = GatedAttention(cfg)
+        self.mlp = SparseMoe(cfg) if cfg.is_moe else DenseMlp(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size)
+
+
+class Qwen35Model(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, kind) for kind in cfg.layer_types)
+        self.norm = RMSNorm(cfg.hidden_size)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
+        self.register_buffer("inv_freq", self.rope_inv_freq(cfg), persistent=False)
+
+    @staticmethod
+    def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+        # computed exactly as the reference model does, in fp32: [rotary_dim / 2]
+        return 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float) / cfg.rotary_dim))
+
+    @property
+    def lm_head_weight(self):
+        return self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+
+    def _layers(self, h, state, mixer):
+        """Runs every layer; mixer(layer, normed, layer_state) -> token-mixer output. h [N, H]."""
+        eps, it = self.cfg.rms_norm_eps, iter(state)
+        x = ops.rms_norm(h, self.layers[0].input_layernorm.weight, eps)
+        for li, layer in enumerate(self.layers):
+            mixed = mixer(layer, x, (next(it), next(it)))
+            x, h = ops.add_rms_norm(mixed, h, layer.post_attention_layernorm.weight, eps)
+            m = layer.mlp(x)
+            nxt = self.layers[li + 1].input_layernorm.weight if li + 1 < len(self.layers) else self.norm.weight
+            x, h = ops.add_rms_norm(m, h, nxt, eps)
+        return x                                                            # final-normed [N, H]
+
+    def _logits(self, x):
+        return F.linear(x, self.lm_head_weight).float()                    # [N, vocab] fp32
+
+    def decode(self, tokens, slots, positions, temperature, top_k, top_p, seed, *state):
+        def mixer(layer, x, st):
+            if layer.kind == "linear_attention":
+                return layer.linear_attn.decode(x, slots, *st)
+            return layer.self_attn.decode(x, slots, positions, self.inv_freq, *st)
+
+        logits = self._logits(self._layers(self.embed_tokens(tokens), state, mixer))
+        return ops.sample(logits, temperature, top_k, top_p, seed, positions), logits
+
+    def prefill(self, tokens, slot, start_pos, n_valid, temperature, top_k, top_p, seed, *state):
+        def mixer(layer, x, st):
+            if layer.kind == "linear_attention":
+                return layer.linear_attn.prefill(x, slot, n_valid, *st)
+            return layer.self_attn.prefill(x, slot, start_pos, n_valid, self.inv_freq, *st)
+
+        x = self._layers(self.embed_tokens(tokens), state, mixer)          # [T, H]
+        logits = self._logits(x.index_select(0, (n_valid - 1).clamp(min=0)))  # [1, vocab]: last valid token
+        return ops.sample(logits, temperature, top_k, top_p, seed, start_pos + n_valid - 1), logits

@@ -1,0 +1,125 @@
+"""The builtin `tiny` model: a 4-layer Qwen3.5-MoE (3 GDN + 1 attention, 8 experts top-2) with
+deterministic seeded random weights and a byte-level tokenizer — no download, ever.
+
+`write_tiny(dir)` writes it as an HF-format checkpoint (config.json, model.safetensors with
+per-expert keys as on the hub, tokenizer.json, tokenizer_config.json with a chat template).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+VOCAB = 256 + len(SPECIAL) + len(ADDED)      # 264: bytes, then special and added tokens
+EOS_IDS = [256, 258]                          # <|endoftext|>, <|im_end|>
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+TINY_HF_CONFIG = {
+    "architectures": ["Qwen3_5MoeForCausalLM"],
+    "model_type": "qwen3_5_moe_text",
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "eos_token_id": EOS_IDS,
+    "dtype": "float32",
+}
+
+
+def random_hf_weights(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded random values for every parameter of a Qwen35Model, under HF hub names
+    (`model.` prefix, per-expert keys). Scales keep activations O(1) so greedy ids are not
+    dominated by ties."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, p in model.named_parameters():
+        shape = tuple(p.shape)
+        if name.endswith("A_log"):
+            t = torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log()
+        elif name.endswith("dt_bias"):
+            t = torch.empty(shape).uniform_(-1.0, 1.0, generator=gen)
+        elif p.dim() == 1:  # norm weights
+            t = torch.randn(shape, generator=gen) * 0.1
+        else:
+            fan_in = shape[-1]
+            t = torch.randn(shape, generator=gen) * (fan_in ** -0.5)
+        if name.endswith("experts.gate_up_proj"):
+            prefix, I = name[: -len(".gate_up_proj")], shape[1] // 2
+            for e in range(shape[0]):
+                out[f"model.{prefix}.{e}.gate_proj.weight"] = t[e, :I].contiguous()
+                out[f"model.{prefix}.{e}.up_proj.weight"] = t[e, I:].contiguous()
+            continue
+        if name.endswith("experts.down_proj"):
+            prefix = name[: -len(".down_proj")]
+            for e in range(shape[0]):
+                out[f"model.{prefix}.{e}.down_proj.weight"] = t[e].contiguous()
+            continue
+        out[name if name.startswith("lm_head") else f"model.{name}"] = t.contiguous()
+    return out
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    # GPT-2's reversible byte <-> printable-char map, which the ByteLevel pre-tokenizer uses
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def tiny_tokenizer():
+    """Byte-level tokenizer: byte b is id b; special and added tokens follow from 256."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL])
+    tok.add_tokens([AddedToken(t, special=False) for t in ADDED])
+    return tok
+
+
+def write_tiny(out_dir: str | Path, seed: int = 0) -> Path:
+    from .config import ModelConfig
+    from .qwen3_5 import Qwen35Model
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = ModelConfig.from_hf(TINY_HF_CONFIG)
+    with torch.device("meta"):
+        model = Qwen35Model(cfg)
+    save_file(random_hf_weights(model, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(TINY_HF_CONFIG, indent=2))
+    tiny_tokenizer().save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "pad_token": "<|pad|>",
+        "bos_token": None, "model_max_length": TINY_HF_CONFIG["max_position_embeddings"]}, indent=2))
+    return out
