@@ -59,37 +59,96 @@ def cmd_init_tiny(args) -> int:
     return 0
 
 
-def cmd_generate(args) -> int:
-    check_sampling(args)
-    if not args.eager:
-        raise UserError("artifact generation is not available yet; pass --eager")
-    import torch
-    from onegraph.graphs.eager import SamplingParams, generate_eager
-    from onegraph.graphs.load import load_model
-    cfg, model, model_dir = load_model(args.model, args.dtype)
-    tok = None
+def is_artifact(path: str) -> bool:
+    return (Path(path) / "manifest.json").is_file()
+
+
+def parse_buckets(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise UserError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise UserError(f"{flag} must list positive integers, got {text!r}")
+    return vals
+
+
+def cmd_export(args) -> int:
+    from onegraph.export.pipeline import ExportOptions, export, summary_text
+    opts = ExportOptions(device=args.device, dtype=args.dtype, backend=args.backend,
+                         batch_sizes=parse_buckets(args.batch_sizes, "--batch-sizes"),
+                         prefill_chunks=parse_buckets(args.prefill_chunks, "--prefill-chunks"),
+                         max_seq_len=args.max_seq_len, tp=args.tp)
+    print(summary_text(export(args.model, args.out, opts, progress=not args.quiet)))
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from onegraph.export.pipeline import inspect
+    if not is_artifact(args.artifact):
+        raise UserError(f"{args.artifact} is not an onegraph artifact (no manifest.json)")
+    print(inspect(args.artifact))
+    return 0
+
+
+def prompt_ids(args, model_dir: Path, vocab: int):
+    tok = load_tokenizer(model_dir) if (args.prompt is not None or (model_dir / "tokenizer.json").is_file()) else None
     if args.prompt is not None:
-        tok = load_tokenizer(model_dir)
         ids = tok.encode(args.prompt).ids
         if not ids:
             raise UserError("--prompt encodes to no tokens")
     else:
         ids = parse_ids(args.prompt_ids)
-    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+    bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
-        raise UserError(f"prompt ids {bad[:5]} outside the vocabulary [0, {cfg.vocab_size})")
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    res = generate_eager(model, ids, args.max_new_tokens,
-                         SamplingParams(args.temperature, args.top_k, args.top_p, args.seed),
-                         stop_ids=() if args.ignore_eos else cfg.eos_token_ids)
-    if tok is None and (model_dir / "tokenizer.json").is_file():
-        tok = load_tokenizer(model_dir)
-    text = tok.decode(res.token_ids) if tok else None
+        raise UserError(f"prompt ids {bad[:5]} outside the vocabulary [0, {vocab})")
+    return ids, tok
+
+
+def emit(args, ids, token_ids, finish, tok, mode, extra=None) -> None:
+    text = tok.decode(token_ids) if tok else None
     if args.json:
-        print(json.dumps({"token_ids": res.token_ids, "text": text, "finish_reason": res.finish_reason,
-                          "prompt_ids": ids, "mode": "eager"}))
+        print(json.dumps(dict({"token_ids": token_ids, "text": text, "finish_reason": finish, "prompt_ids": ids,
+                               "mode": mode}, **(extra or {}))))
     else:
-        print(text if text is not None else " ".join(map(str, res.token_ids)))
+        print(text if text is not None else " ".join(map(str, token_ids)))
+
+
+def cmd_generate(args) -> int:
+    check_sampling(args)
+    if not args.eager:
+        return generate_artifact(args)
+    import torch
+    from onegraph.graphs.eager import SamplingParams, generate_eager
+    from onegraph.graphs.load import load_model
+    if is_artifact(args.model):
+        raise UserError(f"{args.model} is an exported artifact: drop --eager to run its graphs")
+    cfg, model, model_dir = load_model(args.model, args.dtype)
+    ids, tok = prompt_ids(args, model_dir, cfg.vocab_size)
+    with torch.no_grad():
+        res = generate_eager(model, ids, args.max_new_tokens,
+                             SamplingParams(args.temperature, args.top_k, args.top_p, args.seed),
+                             stop_ids=() if args.ignore_eos else cfg.eos_token_ids)
+    emit(args, ids, res.token_ids, res.finish_reason, tok, "eager")
+    return 0
+
+
+def generate_artifact(args) -> int:
+    from onegraph.runtime.executor import GraphExecutor, Sampling
+    if not is_artifact(args.model):
+        raise UserError(f"{args.model} is not an exported artifact (no manifest.json); export it first with "
+                        f"`onegraph export {args.model} --out DIR`, or pass --eager")
+    ex = GraphExecutor.from_artifact(args.model, max_slots=1, device=args.device)
+    cfg = ex.manifest["model"]
+    ids, tok = prompt_ids(args, Path(args.model), cfg["vocab_size"])
+    if len(ids) + args.max_new_tokens > ex.max_seq_len:
+        raise UserError(f"prompt ({len(ids)}) + --max-new-tokens ({args.max_new_tokens}) exceeds the artifact's "
+                        f"max_seq_len {ex.max_seq_len}")
+    stop = () if args.ignore_eos else tuple(cfg["eos_token_ids"])
+    out, _ = ex.generate(ids, args.max_new_tokens, Sampling(args.temperature, args.top_k, args.top_p, args.seed),
+                         stop_ids=stop)
+    finish = "stop" if out and out[-1] in stop else "length"
+    emit(args, ids, out, finish, tok, "artifact", {"fixture": ex.fixture_report})
     return 0
 
 
@@ -103,8 +162,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="HF-format directory, `tiny`, or an exported artifact directory")
     p.add_argument("--eager", action="store_true", help="run the eager model (no graphs)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=None, help="artifact device (default: the one it was exported for)")
     add_sampling_args(p)
     p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("export", help="trace, lower and package a model into an artifact directory")
+    p.add_argument("model", help="HF-format directory or `tiny`")
+    p.add_argument("--out", required=True)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "xpu"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--backend", default="aoti", choices=["aoti", "onnx"])
+    p.add_argument("--batch-sizes", default="1,2,4,8")
+    p.add_argument("--prefill-chunks", default="16,64,256")
+    p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(fn=cmd_export)
+
+    p = sub.add_parser("inspect", help="print an artifact's manifest summary and per-graph op counts")
+    p.add_argument("artifact")
+    p.set_defaults(fn=cmd_inspect)
     return ap
 
 
@@ -112,7 +189,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (UserError, FileNotFoundError, ValueError) as e:
+    except (UserError, FileNotFoundError, ValueError, NotImplementedError) as e:
         print(f"onegraph {args.cmd}: error: {e}", file=sys.stderr)
         return 2
 

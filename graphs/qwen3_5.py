@@ -102,9 +102,14 @@ class GatedDeltaNet(nn.Module):
         rec.index_copy_(0, slots, new_rec)
         return self._finish(core, x)
 
-    def prefill(self, x, slot, n_valid, conv, rec):
+    def prefill(self, x, slot, start_pos, n_valid, conv, rec):
         """x [T, H] -> [T, H]; tokens >= n_valid are padding and leave the state untouched."""
         cfg = self.cfg
+        # a prefill from position 0 starts the slot afresh: a branch-free reset (where, not multiply,
+        # so even a NaN left behind in a slot cannot survive it)
+        fresh = start_pos == 0
+        conv.index_copy_(0, slot, torch.where(fresh, 0.0, conv.index_select(0, slot)).to(conv.dtype))
+        rec.index_copy_(0, slot, torch.where(fresh, 0.0, rec.index_select(0, slot)))
         qkv, new_conv = ops.causal_conv_prefill(self.in_proj_qkv(x), conv, slot, n_valid, self.conv1d.weight[:, 0, :])
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)   # [T, HV]
         beta = self.in_proj_b(x).sigmoid().float()
@@ -253,7 +258,7 @@ class Qwen35Model(nn.Module):
     def prefill(self, tokens, slot, start_pos, n_valid, temperature, top_k, top_p, seed, *state):
         def mixer(layer, x, st):
             if layer.kind == "linear_attention":
-                return layer.linear_attn.prefill(x, slot, n_valid, *st)
+                return layer.linear_attn.prefill(x, slot, start_pos, n_valid, *st)
             return layer.self_attn.prefill(x, slot, start_pos, n_valid, self.inv_freq, *st)
 
         x = self._layers(self.embed_tokens(tokens), state, mixer)          # [T, H]

@@ -1,0 +1,164 @@
+"""`onegraph export`: checkpoint -> artifact, readable as one list of stages.
+
+    load -> shard (tensor parallel: not yet; the seam is `shard`) -> trace -> lower -> package
+
+Decode graphs: one per batch bucket. Prefill graphs: one per chunk bucket, not one dynamic-length
+graph, because the chunked GDN scan unrolls over a static number of 64-token chunks; a prompt is
+prefilled in bucket-sized chunks, the last one padded (padding is inert: see graphs/qwen3_5.py).
+The slot dimension of the state is dynamic, so the runtime chooses how many slots to allocate.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from onegraph.custom_ops import schema_versions
+from onegraph.graphs.eager import SamplingParams, generate_eager
+from onegraph.graphs.load import load_model, resolve_dtype
+from onegraph.runtime.artifact import device_descriptor, tool_versions, write_manifest
+
+from .entry import graph_spec
+from .trace import trace
+
+TEXT_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+FIXTURE_PROMPTS = ([1, 2, 3], [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100], list(range(10, 40)))
+FIXTURE_TOKENS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportOptions:
+    device: str = "cpu"
+    dtype: str = "float32"
+    backend: str = "aoti"                      # aoti | onnx
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    prefill_chunks: tuple[int, ...] = (16, 64, 256)
+    max_seq_len: int = 512
+    tp: int = 1
+
+    def validate(self, max_positions: int) -> None:
+        if self.backend not in ("aoti", "onnx"):
+            raise ValueError(f"--backend must be aoti or onnx, got {self.backend!r}")
+        if self.backend == "onnx" and self.device != "cpu":
+            raise ValueError("--backend onnx targets onnxruntime's CPU execution provider: use --device cpu")
+        if self.device not in ("cpu", "cuda", "xpu"):
+            raise ValueError(f"--device must be cpu, cuda or xpu, got {self.device!r}")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError(f"--batch-sizes must be positive integers, got {self.batch_sizes}")
+        if not self.prefill_chunks or min(self.prefill_chunks) < 1:
+            raise ValueError(f"--prefill-chunks must be positive integers, got {self.prefill_chunks}")
+        if not 1 <= self.max_seq_len <= max_positions:
+            raise ValueError(f"--max-seq-len must be in 1..{max_positions} (max_position_embeddings)")
+        if self.tp != 1:
+            raise ValueError("--tp > 1 is not implemented yet (tensor-parallel export is a later issue)")
+        resolve_dtype(self.dtype)
+
+
+def shard(model, opts: ExportOptions):
+    """Tensor-parallel seam: TP-1 returns the model unchanged."""
+    return model
+
+
+def fixture(model, max_seq_len: int) -> dict[str, torch.Tensor]:
+    """Greedy ids and logits from eager for a few prompts: checked again at every load."""
+    out = {}
+    for i, p in enumerate(FIXTURE_PROMPTS):
+        p = [t % model.cfg.vocab_size for t in p]
+        n = min(FIXTURE_TOKENS, max_seq_len - len(p))
+        r = generate_eager(model, p, n, SamplingParams(), max_seq_len=max_seq_len)
+        out[f"prompt{i}"] = torch.tensor(p)
+        out[f"ids{i}"] = torch.tensor(r.token_ids)
+        out[f"logits{i}"] = torch.stack(r.logits).float().cpu()
+    return out
+
+
+def export(model_spec: str, out_dir: str | Path, opts: ExportOptions, progress: bool = True) -> dict:
+    """Run every stage; returns a summary. The output directory is replaced."""
+    from safetensors.torch import save_file
+    t0 = time.time()
+    out = Path(out_dir)
+    if out.exists():
+        if not (out / "manifest.json").is_file() and any(out.iterdir()):
+            raise ValueError(f"--out {out} exists and is not an onegraph artifact: refusing to overwrite it")
+        shutil.rmtree(out)
+    (out / "graphs").mkdir(parents=True)
+    dev = torch.device(opts.device)
+    dtype = resolve_dtype(opts.dtype)
+    specs_wanted = [("decode", b) for b in sorted(set(opts.batch_sizes))] + \
+                   [("prefill", t) for t in sorted(set(opts.prefill_chunks))]
+    bar = tqdm(total=3 + 2 * len(specs_wanted), desc="export", disable=not progress, unit="stage")
+
+    bar.set_postfix_str("load")
+    cfg, model, src = load_model(model_spec, dtype, dev)
+    opts.validate(cfg.max_position_embeddings)
+    model = shard(model, opts)
+    bar.update()
+
+    graphs, timings = {}, {}
+    for kind, bucket in specs_wanted:
+        spec = graph_spec(model, kind, bucket, opts.max_seq_len, dtype)
+        bar.set_postfix_str(f"trace {spec.name}")
+        t = time.time()
+        ep, hist = trace(model, spec, dev)
+        bar.update()
+        bar.set_postfix_str(f"lower {spec.name}")
+        if opts.backend == "aoti":
+            from .aoti import lower_aoti
+            rel = f"graphs/{spec.name}.pt2"
+            lower_aoti(ep, out / rel)
+        else:
+            from .onnx import lower_onnx
+            rel = f"graphs/{spec.name}.onnx"
+            lower_onnx(model, spec, ep, out / rel)
+        timings[spec.name] = round(time.time() - t, 2)
+        graphs[spec.name] = dict(spec.manifest(), file=rel, ops=hist, node_count=sum(hist.values()))
+        bar.update()
+
+    bar.set_postfix_str("package")
+    weights = {n: t.detach().contiguous().cpu() for n, t in
+               list(model.named_parameters(prefix="model")) + list(model.named_buffers(prefix="model"))}
+    save_file(weights, str(out / "weights.safetensors"))
+    save_file(fixture(model, opts.max_seq_len), str(out / "fixture.safetensors"))
+    for name in TEXT_FILES:
+        if (src / name).is_file():
+            shutil.copy(src / name, out / name)
+    state = graphs[next(iter(graphs))]["inputs"][-2 * cfg.num_layers:]
+    manifest = {
+        "backend": opts.backend, "model": cfg.to_dict(), "dtype": opts.dtype,
+        "device": device_descriptor(dev), "versions": tool_versions(opts.backend), "ops": schema_versions(),
+        "options": dataclasses.asdict(opts), "max_seq_len": opts.max_seq_len, "graphs": graphs, "state": state,
+        "weights": "weights.safetensors", "weight_shapes": {n: list(t.shape) for n, t in weights.items()},
+        "fixture": "fixture.safetensors", "timings_s": timings,
+    }
+    write_manifest(out, manifest)
+    bar.update()
+    bar.close()
+    sizes = {p.name: p.stat().st_size for p in sorted((out / "graphs").iterdir())}
+    return {"out": str(out), "graphs": sizes, "weights_bytes": (out / "weights.safetensors").stat().st_size,
+            "seconds": round(time.time() - t0, 1), "timings_s": timings}
+
+
+def summary_text(s: dict) -> str:
+    lines = [f"artifact {s['out']} in {s['seconds']} s"]
+    lines += [f"  {n:<24} {sz / 1e6:8.2f} MB  ({s['timings_s'][n.rsplit('.', 1)[0]]} s)" for n, sz in s["graphs"].items()]
+    lines.append(f"  weights.safetensors      {s['weights_bytes'] / 1e6:8.2f} MB")
+    return "\n".join(lines)
+
+
+def inspect(path: str | Path) -> str:
+    m = json.loads((Path(path) / "manifest.json").read_text())
+    lines = [f"{m['format']} v{m['format_version']}  backend={m['backend']}  dtype={m['dtype']}  "
+             f"device={m['device']}  max_seq_len={m['max_seq_len']}",
+             f"model: {m['model']['model_type']} layers={len(m['model']['layer_types'])} "
+             f"hidden={m['model']['hidden_size']} vocab={m['model']['vocab_size']}",
+             f"versions: {m['versions']}", f"ops: {m['ops']}"]
+    for name, g in m["graphs"].items():
+        top = sorted(g["ops"].items(), key=lambda kv: -kv[1])[:6]
+        lines.append(f"  {name:<14} nodes={g['node_count']:<6} file={g['file']}  top ops: "
+                     + ", ".join(f"{k}×{v}" for k, v in top))
+    return "\n".join(lines)

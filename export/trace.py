@@ -1,0 +1,60 @@
+"""Trace one entry point with torch.export and lower every onegraph op for the target device.
+
+Fails closed: after decomposition the graph may hold only aten / prims / functional-collective
+ops and registered Triton ops. Anything else (a Python custom op that AOTInductor would call back
+through Python on every run) raises ExportError naming it.
+"""
+from __future__ import annotations
+
+import torch
+
+from onegraph.custom_ops import decompositions
+
+from .entry import GraphSpec, dynamic_shapes, entry_module, example_inputs
+
+ALLOWED_NAMESPACES = {"aten", "prims", "_c10d_functional", "c10d_functional"}
+
+
+class ExportError(RuntimeError):
+    pass
+
+
+def allowed_extra_ops(device_type: str) -> set[str]:
+    """Qualified names of custom ops that lower to compiled kernels on this device (triton_op)."""
+    from onegraph.custom_ops._registry import REGISTRY
+    return {getattr(s, "triton_name", None) for s in REGISTRY.values()} - {None} if device_type != "cpu" else set()
+
+
+def check_lowered(ep: torch.export.ExportedProgram, device_type: str) -> dict[str, int]:
+    """-> op histogram; raises ExportError on any op that would run as Python."""
+    extra = allowed_extra_ops(device_type)
+    hist: dict[str, int] = {}
+    for node in ep.graph.nodes:
+        if node.op != "call_function":
+            continue
+        t = node.target
+        if isinstance(t, torch._ops.OpOverload):
+            ns = t.namespace
+            name = f"{ns}::{t._opname}"
+            if ns not in ALLOWED_NAMESPACES and name not in extra:
+                raise ExportError(f"graph still contains op {name} with no {device_type} lowering: it would be "
+                                  f"called back through Python on every run")
+        elif isinstance(t, torch._ops.HigherOrderOperator):
+            name = t.name()
+            if name not in ("triton_kernel_wrapper_functional", "triton_kernel_wrapper_mutation"):
+                raise ExportError(f"graph contains higher-order op {name} (e.g. a mutating custom op wrapped in "
+                                  f"auto_functionalized); onegraph ops must be functional")
+        else:
+            name = getattr(t, "__name__", str(t))
+        hist[name] = hist.get(name, 0) + 1
+    return hist
+
+
+def trace(model, spec: GraphSpec, device) -> tuple[torch.export.ExportedProgram, dict]:
+    dev = torch.device(device)
+    args = example_inputs(spec, dev)
+    with torch.no_grad():
+        ep = torch.export.export(entry_module(model, spec.kind), args, dynamic_shapes=dynamic_shapes(spec),
+                                 strict=False)
+        ep = ep.run_decompositions(decompositions(dev.type))
+    return ep, check_lowered(ep, dev.type)

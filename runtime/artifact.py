@@ -1,0 +1,122 @@
+"""The artifact: a directory written once by `onegraph export`, loaded (never re-traced) by the runtime.
+
+    manifest.json          format version, model config, dtype, device + descriptor, tool and op
+                           versions, export options, each graph's signature/bucket/file, the state
+                           layout, sha256 of every other file, and a self-hash of the manifest
+    graphs/<name>.pt2      AOTInductor packages without weights (or graphs/<name>.onnx)
+    weights.safetensors    the weights, once, bound to every graph at load
+    fixture.safetensors    parity fixture: prompts -> greedy ids + logits recorded from eager
+    tokenizer.json, tokenizer_config.json, chat_template.jinja   (when the checkpoint has them)
+
+`load_manifest` verifies everything and fails closed with ArtifactError naming the cause.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+FORMAT = "onegraph-artifact"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class ArtifactError(ValueError):
+    """The artifact cannot be used here; the message names the cause."""
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _self_hash(manifest: dict) -> str:
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def tool_versions(backend: str) -> dict:
+    import onegraph
+    v = {"torch": torch.__version__, "onegraph": onegraph.__version__, "python": sys.version.split()[0]}
+    if backend == "onnx":
+        import onnxruntime
+        v["onnxruntime"] = onnxruntime.__version__
+    return v
+
+
+def device_descriptor(device: torch.device) -> dict:
+    """What the graphs were specialised for (R16): recorded at export, checked at load."""
+    import platform
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        return {"type": "cuda", "name": p.name, "capability": f"{p.major}.{p.minor}",
+                "multiprocessors": p.multi_processor_count, "total_memory": p.total_memory,
+                "cuda": torch.version.cuda}
+    return {"type": device.type, "machine": platform.machine()}
+
+
+def write_manifest(out: Path, manifest: dict) -> None:
+    files = {}
+    for p in sorted(out.rglob("*")):
+        if p.is_file() and p.name != MANIFEST:
+            files[str(p.relative_to(out))] = sha256_file(p)
+    manifest = dict(manifest, format=FORMAT, format_version=FORMAT_VERSION, files=files)
+    manifest["manifest_sha256"] = _self_hash(manifest)
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+
+
+def load_manifest(path: str | Path, device: str | torch.device | None = None) -> dict:
+    """Read and verify an artifact directory; `device` (default: the artifact's) must be usable."""
+    root = Path(path)
+    mpath = root / MANIFEST
+    if not mpath.is_file():
+        raise ArtifactError(f"{root} is not an onegraph artifact (no {MANIFEST})")
+    try:
+        m = json.loads(mpath.read_text())
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"{mpath}: manifest is not valid JSON ({e})") from None
+    if m.get("format") != FORMAT or m.get("format_version") != FORMAT_VERSION:
+        raise ArtifactError(f"{mpath}: format {m.get('format')!r} v{m.get('format_version')!r}, this onegraph "
+                            f"reads {FORMAT!r} v{FORMAT_VERSION}")
+    if m.get("manifest_sha256") != _self_hash(m):
+        raise ArtifactError(f"{mpath}: manifest hash mismatch (the manifest was modified after export)")
+    for rel, digest in m["files"].items():
+        f = root / rel
+        if not f.is_file():
+            raise ArtifactError(f"artifact file {rel} is missing")
+        if sha256_file(f) != digest:
+            raise ArtifactError(f"artifact file {rel}: sha256 mismatch (corrupted or modified)")
+    want = torch.device(device) if device is not None else torch.device(m["device"]["type"])
+    if want.type != m["device"]["type"]:
+        raise ArtifactError(f"artifact was exported for device {m['device']['type']!r}, cannot run on {want.type!r}")
+    if want.type == "cuda" and not torch.cuda.is_available():
+        raise ArtifactError("artifact was exported for 'cuda' but no CUDA device is available here")
+    if m["versions"]["torch"] != torch.__version__ and m["backend"] == "aoti":
+        raise ArtifactError(f"artifact was compiled with torch {m['versions']['torch']}, this is torch "
+                            f"{torch.__version__}: AOTInductor packages need the same torch; re-export")
+    from onegraph.custom_ops import schema_versions
+    if m["ops"] != schema_versions():
+        raise ArtifactError(f"artifact op schema versions {m['ops']} differ from this onegraph's "
+                            f"{schema_versions()}; re-export")
+    m["_root"] = str(root)
+    m["_device"] = str(want)
+    return m
+
+
+def load_weights(m: dict, device: torch.device) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    try:
+        w = load_file(str(Path(m["_root"]) / m["weights"]), device=str(device))
+    except Exception as e:  # safetensors raises its own error types for truncated files
+        raise ArtifactError(f"weights file {m['weights']} cannot be read: {e}") from None
+    for name, meta in m["weight_shapes"].items():
+        if name not in w or list(w[name].shape) != meta:
+            raise ArtifactError(f"weight {name}: expected shape {meta}, found "
+                                f"{list(w[name].shape) if name in w else 'nothing'}")
+    return w

@@ -1,0 +1,162 @@
+"""GraphExecutor: owns the state for S slots and runs prefill chunks / decode buckets on graphs.
+
+The same executor drives lowered graphs (from an artifact) or the eager model (for side-by-side
+benchmarks and parity): both expose `call(name, inputs) -> (next_ids, logits)` over the same
+signature, so everything above this file is backend-blind.
+
+Slots 0..max_slots-1 belong to requests; slot max_slots is scratch: padding rows of a decode
+bucket point at it with zero inputs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from .artifact import ArtifactError, load_manifest, load_weights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64}
+
+
+@dataclasses.dataclass
+class Sampling:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+class AotiGraph:
+    """One AOTInductor package with the artifact's weights bound (no copy)."""
+
+    def __init__(self, path: Path, weights: dict[str, torch.Tensor], device: torch.device):
+        from torch._inductor import aoti_load_package
+        try:
+            self.runner = aoti_load_package(str(path), device_index=device.index if device.type == "cuda" else -1,
+                                            run_single_threaded=device.type == "cuda")
+        except Exception as e:
+            raise ArtifactError(f"cannot load graph {path.name}: {e}") from None
+        fqns = self.runner.get_constant_fqns()
+        missing = [f for f in fqns if f not in weights]
+        if missing:
+            raise ArtifactError(f"graph {path.name} needs weights missing from the artifact: {missing[:3]}")
+        self.runner.load_constants({f: weights[f] for f in fqns}, check_full_update=True, user_managed=True)
+        self.run = self.runner.loader.run          # list[Tensor] -> list[Tensor], no pytree overhead
+
+
+class GraphExecutor:
+    def __init__(self, graphs: dict, graph_meta: dict, state_meta: list, max_slots: int, max_seq_len: int,
+                 vocab_size: int, device: torch.device):
+        self.graphs, self.meta, self.device = graphs, graph_meta, device
+        self.max_slots, self.max_seq_len, self.vocab_size = max_slots, max_seq_len, vocab_size
+        self.scratch = max_slots
+        self.state = [torch.zeros([max_slots + 1 if s == "S" else s for s in t["shape"]], dtype=DTYPES[t["dtype"]],
+                                  device=device) for t in state_meta]
+        self.decode_buckets = sorted(g["bucket"] for g in graph_meta.values() if g["kind"] == "decode")
+        self.prefill_buckets = sorted(g["bucket"] for g in graph_meta.values() if g["kind"] == "prefill")
+        if not self.decode_buckets or not self.prefill_buckets:
+            raise ArtifactError("artifact needs at least one decode and one prefill graph")
+
+    # ---- construction ----
+    @classmethod
+    def from_artifact(cls, path: str | Path, max_slots: int = 4, device: str | None = None,
+                      check_parity: bool = True) -> "GraphExecutor":
+        """Load and verify an artifact; the parity fixture is replayed unless check_parity=False."""
+        if max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        m = load_manifest(path, device)
+        dev = torch.device(m["_device"])
+        if m["backend"] != "aoti":
+            from .onnx_graph import onnx_graphs   # the onnxruntime backend
+            graphs = onnx_graphs(m)
+        else:
+            weights = load_weights(m, dev)
+            graphs = {name: AotiGraph(Path(m["_root"]) / g["file"], weights, dev).run
+                      for name, g in m["graphs"].items()}
+        ex = cls(graphs, m["graphs"], m["state"], max_slots, m["max_seq_len"], m["model"]["vocab_size"], dev)
+        ex.manifest = m
+        ex.fixture_report = None
+        if check_parity:
+            from .fixture import check_fixture
+            ex.fixture_report = check_fixture(ex, m)
+        return ex
+
+    @classmethod
+    def from_model(cls, model, kinds: dict, max_slots: int, max_seq_len: int) -> "GraphExecutor":
+        """Eager backend over the same entry points; `kinds` = {"decode": [B...], "prefill": [T...]}."""
+        from onegraph.export.entry import graph_spec  # eager only: not on the artifact path
+        dtype = model.embed_tokens.weight.dtype
+        graphs, meta = {}, {}
+        for kind, buckets in kinds.items():
+            fn = model.decode if kind == "decode" else model.prefill
+            for b in buckets:
+                spec = graph_spec(model, kind, b, max_seq_len, dtype)
+                graphs[spec.name] = (lambda f: lambda inputs: f(*inputs))(fn)
+                meta[spec.name] = spec.manifest()
+        state = meta[next(iter(meta))]["inputs"][-len(model.cfg.layer_types) * 2:]
+        return cls(graphs, meta, state, max_slots, max_seq_len, model.cfg.vocab_size,
+                   model.embed_tokens.weight.device)
+
+    # ---- steps ----
+    def _sampling(self, rows: list[Sampling], n: int) -> list[torch.Tensor]:
+        pad = [Sampling()] * (n - len(rows))
+        rows = list(rows) + pad
+        d = self.device
+        return [torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=d),
+                torch.tensor([r.top_k for r in rows], dtype=torch.int64, device=d),
+                torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=d),
+                torch.tensor([r.seed for r in rows], dtype=torch.int64, device=d)]
+
+    def call(self, name: str, inputs: list[torch.Tensor]):
+        with torch.no_grad():
+            out = self.graphs[name](list(inputs) + self.state)
+        return out[0], out[1]
+
+    def prefill(self, prompt: list[int], slot: int, sampling: Sampling = Sampling(), start_pos: int = 0):
+        """Prefill `prompt` into `slot` from start_pos in chunk buckets -> (next_id [1], logits [1, V])."""
+        d, pos, i = self.device, start_pos, 0
+        while i < len(prompt):
+            rest = len(prompt) - i
+            T = next((b for b in self.prefill_buckets if b >= rest), self.prefill_buckets[-1])
+            part = prompt[i:i + T]
+            toks = torch.zeros(T, dtype=torch.int64, device=d)
+            toks[:len(part)] = torch.tensor(part, dtype=torch.int64)
+            ids, logits = self.call(f"prefill_t{T}", [toks, torch.tensor([slot], device=d),
+                                                      torch.tensor([pos], device=d),
+                                                      torch.tensor([len(part)], device=d)]
+                                    + self._sampling([sampling], 1))
+            i += len(part)
+            pos += len(part)
+        return ids, logits
+
+    def decode_bucket(self, n: int) -> int:
+        b = next((b for b in self.decode_buckets if b >= n), None)
+        if b is None:
+            raise ValueError(f"{n} rows exceed the largest decode bucket {self.decode_buckets[-1]}")
+        return b
+
+    def decode(self, tokens: list[int], slots: list[int], positions: list[int], sampling: list[Sampling]):
+        """One decode step for len(tokens) rows, padded to a bucket -> (next_ids [n], logits [n, V])."""
+        n = len(tokens)
+        B = self.decode_bucket(n)
+        pad = B - n
+        d = self.device
+        ids, logits = self.call(f"decode_b{B}", [
+            torch.tensor(list(tokens) + [0] * pad, dtype=torch.int64, device=d),
+            torch.tensor(list(slots) + [self.scratch] * pad, dtype=torch.int64, device=d),
+            torch.tensor(list(positions) + [0] * pad, dtype=torch.int64, device=d)] + self._sampling(sampling, B))
+        return ids[:n], logits[:n]
+
+    def generate(self, prompt: list[int], max_new_tokens: int, sampling: Sampling = Sampling(), slot: int = 0,
+                 stop_ids=()):
+        """A simple loop (the Engine adds batching and async output) -> (ids, logits per token)."""
+        ids, logits = self.prefill(prompt, slot, sampling)
+        out, lg = [int(ids[0])], [logits[0]]
+        pos = len(prompt)
+        while len(out) < max_new_tokens and out[-1] not in stop_ids:
+            ids, logits = self.decode([out[-1]], [slot], [pos], [sampling])
+            out.append(int(ids[0]))
+            lg.append(logits[0])
+            pos += 1
+        return out, lg
