@@ -3,3 +3,23 @@ from pathlib import Path
 
 # tests import their helpers as plain modules (hf_models, ...)
 sys.path.insert(0, str(Path(__file__).parent))
+
+import pytest  # noqa: E402
+
+# One AOTInductor export of `tiny` shared by every test that needs an artifact (compiles take
+# tens of seconds each on 2 cores): decode buckets 1, 2, 4; prefill chunk 16; 256 tokens.
+TINY_EXPORT = dict(batch_sizes=(1, 2, 4), prefill_chunks=(16,), max_seq_len=256)
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tmp_path_factory):
+    from onegraph.export.pipeline import ExportOptions, export
+    out = tmp_path_factory.mktemp("art") / "tiny"
+    export("tiny", out, ExportOptions(**TINY_EXPORT), progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_eager():
+    from onegraph.graphs.load import load_model
+    return load_model("tiny")[1]

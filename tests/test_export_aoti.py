@@ -1,0 +1,135 @@
+"""Rung 3: exported AOTInductor artifacts vs eager (CPU, fp32), and the artifact's fail-closed load."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from onegraph.custom_ops import PYTHON_CALLS
+from onegraph.graphs.eager import generate_eager
+from onegraph.runtime.artifact import ArtifactError, _self_hash, load_manifest
+from onegraph.runtime.executor import GraphExecutor
+
+PROMPTS = [[1, 2, 3], [72, 101, 108, 108, 111] * 5, list(range(40, 77))]   # 3, 25, 37 tokens: 1-3 chunks
+STEPS = 32
+
+
+def assert_same_stream(ids, logits, ref, label):
+    for step, (a, b) in enumerate(zip(logits, ref.logits)):
+        diff = (a - b).abs().max().item()
+        assert diff <= 1e-4, f"{label}: logits differ by {diff:.3g} at step {step}"
+        assert ids[step] == ref.token_ids[step], (
+            f"{label}: first differing token at step {step}: graph {ids[step]} vs eager {ref.token_ids[step]}")
+    assert len(ids) == len(ref.token_ids)
+
+
+def test_tiny_artifact_matches_eager_and_never_calls_python(tiny_artifact, tiny_eager):
+    ex = GraphExecutor.from_artifact(tiny_artifact, max_slots=2)
+    assert ex.fixture_report["prompts"] == 3 and ex.fixture_report["max_logit_diff"] <= 1e-4
+    PYTHON_CALLS.clear()
+    streams = [ex.generate(p, STEPS) for p in PROMPTS]
+    assert sum(PYTHON_CALLS.values()) == 0, f"Python op implementations ran inside the artifact: {PYTHON_CALLS}"
+    for p, (ids, logits) in zip(PROMPTS, streams):
+        assert_same_stream(ids, logits, generate_eager(tiny_eager, p, STEPS, max_seq_len=256), f"prompt {p[:4]}")
+
+
+def test_transformers_checkpoint_artifact_matches_eager(tmp_path):
+    hf_models = pytest.importorskip("hf_models")
+    pytest.importorskip("transformers")
+    from onegraph.export.pipeline import ExportOptions, export
+    from onegraph.graphs.load import load_model
+    hf_models.build("moe_i2_top1_gqa4_oddvocab").save_pretrained(tmp_path / "hf")
+    export(str(tmp_path / "hf"), tmp_path / "art", ExportOptions(batch_sizes=(1,), prefill_chunks=(16,),
+                                                                 max_seq_len=128), progress=False)
+    ex = GraphExecutor.from_artifact(tmp_path / "art", max_slots=1)
+    _, model, _ = load_model(tmp_path / "hf")
+    for p in PROMPTS:
+        ids, logits = ex.generate(p, STEPS)
+        assert_same_stream(ids, logits, generate_eager(model, p, STEPS, max_seq_len=128), f"hf prompt {p[:4]}")
+
+
+@pytest.fixture()
+def artifact_copy(tiny_artifact, tmp_path):
+    dst = tmp_path / "copy"
+    shutil.copytree(tiny_artifact, dst)
+    return dst
+
+
+def test_flipped_weight_byte_is_refused(artifact_copy):
+    w = artifact_copy / "weights.safetensors"
+    data = bytearray(w.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    w.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="weights.safetensors: sha256 mismatch"):
+        GraphExecutor.from_artifact(artifact_copy)
+
+
+def test_edited_manifest_is_refused(artifact_copy):
+    m = artifact_copy / "manifest.json"
+    m.write_text(m.read_text().replace('"max_seq_len": 256', '"max_seq_len": 257'))
+    with pytest.raises(ArtifactError, match="manifest hash mismatch"):
+        load_manifest(artifact_copy)
+
+
+def test_truncated_graph_is_refused(artifact_copy):
+    g = artifact_copy / "graphs" / "decode_b1.pt2"
+    g.write_bytes(g.read_bytes()[:1000])
+    with pytest.raises(ArtifactError, match="decode_b1.pt2: sha256 mismatch"):
+        load_manifest(artifact_copy)
+
+
+def _rewrite(path, edit):
+    m = json.loads((path / "manifest.json").read_text())
+    edit(m)
+    m["manifest_sha256"] = _self_hash(m)
+    (path / "manifest.json").write_text(json.dumps(m))
+
+
+def test_cuda_artifact_on_cpu_is_refused(artifact_copy):
+    _rewrite(artifact_copy, lambda m: m["device"].update(type="cuda"))
+    with pytest.raises(ArtifactError, match="exported for device 'cuda', cannot run on 'cpu'"):
+        GraphExecutor.from_artifact(artifact_copy, device="cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ArtifactError, match="no CUDA device"):
+            load_manifest(artifact_copy)
+
+
+def test_other_torch_or_op_versions_are_refused(artifact_copy):
+    _rewrite(artifact_copy, lambda m: m["versions"].update(torch="1.0.0"))
+    with pytest.raises(ArtifactError, match="compiled with torch 1.0.0"):
+        load_manifest(artifact_copy)
+    _rewrite(artifact_copy, lambda m: (m["versions"].update(torch=torch.__version__), m["ops"].update(fused_moe=0)))
+    with pytest.raises(ArtifactError, match="op schema versions"):
+        load_manifest(artifact_copy)
+
+
+def test_missing_file_is_refused(artifact_copy):
+    (artifact_copy / "fixture.safetensors").unlink()
+    with pytest.raises(ArtifactError, match="fixture.safetensors is missing"):
+        load_manifest(artifact_copy)
+
+
+def test_export_refuses_a_python_op(tiny_eager):
+    from onegraph.export.entry import entry_module, example_inputs, graph_spec, dynamic_shapes
+    from onegraph.export.trace import ExportError, check_lowered
+    spec = graph_spec(tiny_eager, "decode", 1, 32, torch.float32)
+    ep = torch.export.export(entry_module(tiny_eager, "decode"), example_inputs(spec, "cpu"),
+                             dynamic_shapes=dynamic_shapes(spec), strict=False)
+    with pytest.raises(ExportError, match="onegraph::.* with no cpu lowering"):
+        check_lowered(ep, "cpu")   # not decomposed: the onegraph ops are still Python ops
+
+
+def test_cli_export_generate_inspect(tiny_artifact, tiny_eager, tmp_path):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "onegraph", "generate", str(tiny_artifact), "--prompt-ids", "1,2,3",
+                        "--max-new-tokens", "8", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["token_ids"] == generate_eager(tiny_eager, [1, 2, 3], 8).token_ids
+    r = subprocess.run([sys.executable, "-m", "onegraph", "inspect", str(tiny_artifact)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "decode_b4" in r.stdout and "prefill_t16" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "onegraph", "export", "tiny", "--out", str(tmp_path / "x"),
+                        "--batch-sizes", "0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "batch-sizes" in r.stderr and "Traceback" not in r.stderr
