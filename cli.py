@@ -134,21 +134,20 @@ def cmd_generate(args) -> int:
 
 
 def generate_artifact(args) -> int:
-    from onegraph.runtime.executor import GraphExecutor, Sampling
+    from onegraph.runtime import Engine
     if not is_artifact(args.model):
         raise UserError(f"{args.model} is not an exported artifact (no manifest.json); export it first with "
                         f"`onegraph export {args.model} --out DIR`, or pass --eager")
-    ex = GraphExecutor.from_artifact(args.model, max_slots=1, device=args.device)
-    cfg = ex.manifest["model"]
-    ids, tok = prompt_ids(args, Path(args.model), cfg["vocab_size"])
-    if len(ids) + args.max_new_tokens > ex.max_seq_len:
-        raise UserError(f"prompt ({len(ids)}) + --max-new-tokens ({args.max_new_tokens}) exceeds the artifact's "
-                        f"max_seq_len {ex.max_seq_len}")
-    stop = () if args.ignore_eos else tuple(cfg["eos_token_ids"])
-    out, _ = ex.generate(ids, args.max_new_tokens, Sampling(args.temperature, args.top_k, args.top_p, args.seed),
-                         stop_ids=stop)
-    finish = "stop" if out and out[-1] in stop else "length"
-    emit(args, ids, out, finish, tok, "artifact", {"fixture": ex.fixture_report})
+    engine = Engine.from_artifact(args.model, max_slots=1, device=args.device)
+    try:
+        cfg = engine.ex.manifest["model"]
+        ids, tok = prompt_ids(args, Path(args.model), cfg["vocab_size"])
+        stop = () if args.ignore_eos else tuple(cfg["eos_token_ids"])
+        res = engine.generate(ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, stop)
+    finally:
+        engine.close()
+    emit(args, ids, res.token_ids, res.finish_reason, tok, "artifact",
+         {"fixture": engine.ex.fixture_report, "timings": res.timings})
     return 0
 
 

@@ -138,14 +138,22 @@ class GraphExecutor:
 
     def decode(self, tokens: list[int], slots: list[int], positions: list[int], sampling: list[Sampling]):
         """One decode step for len(tokens) rows, padded to a bucket -> (next_ids [n], logits [n, V])."""
-        n = len(tokens)
+        d = self.device
+        return self.decode_tensors(torch.tensor(tokens, dtype=torch.int64, device=d),
+                                   torch.tensor(slots, dtype=torch.int64, device=d), positions, sampling)
+
+    def decode_tensors(self, tokens: torch.Tensor, slots: torch.Tensor, positions: list[int],
+                       sampling: list[Sampling]):
+        """As decode, with tokens/slots already on the device (the engine never round-trips ids)."""
+        n = tokens.shape[0]
         B = self.decode_bucket(n)
         pad = B - n
         d = self.device
-        ids, logits = self.call(f"decode_b{B}", [
-            torch.tensor(list(tokens) + [0] * pad, dtype=torch.int64, device=d),
-            torch.tensor(list(slots) + [self.scratch] * pad, dtype=torch.int64, device=d),
-            torch.tensor(list(positions) + [0] * pad, dtype=torch.int64, device=d)] + self._sampling(sampling, B))
+        if pad:
+            tokens = torch.cat([tokens, torch.zeros(pad, dtype=torch.int64, device=d)])
+            slots = torch.cat([slots, torch.full((pad,), self.scratch, dtype=torch.int64, device=d)])
+        pos = torch.tensor(list(positions) + [0] * pad, dtype=torch.int64, device=d)
+        ids, logits = self.call(f"decode_b{B}", [tokens, slots, pos] + self._sampling(sampling, B))
         return ids[:n], logits[:n]
 
     def generate(self, prompt: list[int], max_new_tokens: int, sampling: Sampling = Sampling(), slot: int = 0,

@@ -1,0 +1,313 @@
+"""Engine: the thin serving loop over a GraphExecutor — fixed slots, continuous batching, sampling
+on the device, and token output read one step late.
+
+One engine thread owns the executor. Per step it: admits waiting requests into free slots
+(chunked prefill, which samples the first token in-graph), gathers every active slot's last token
+*on the device* (`last_tok[slots]`, never through the host), replays the decode graph of the
+smallest fitting bucket, scatters the sampled ids back into `last_tok`, queues a non-blocking copy
+of them to the host, and only then reads the ids of the *previous* step (R2/R4). Stop ids
+therefore act one step late; the overrun token of a stopped request is dropped, and the slot it
+dirtied is reset branch-free by the next prefill at position 0. Length limits are known on the
+host and never overrun.
+
+Callers: `generate()` (blocking), `stream()` (async iterator, many concurrent tasks), `cancel()`,
+`stats()`. Bad input raises ValueError in the caller; it never reaches the engine thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import queue
+import random
+import threading
+import time
+
+import torch
+
+from .executor import GraphExecutor, Sampling  # noqa: F401  (Sampling re-exported)
+
+
+class QueueFull(RuntimeError):
+    """The bounded wait queue is full: the caller should retry later (HTTP 503)."""
+
+
+@dataclasses.dataclass
+class Event:
+    token_id: int | None
+    finish_reason: str | None = None     # None until the last event: stop | length | cancelled | error
+
+
+@dataclasses.dataclass
+class Result:
+    token_ids: list[int]
+    finish_reason: str
+    timings: dict
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: Sampling
+    stop_ids: frozenset
+    emit: callable                      # emit(Event), called on the engine thread
+    slot: int = -1
+    pos: int = 0                        # position of the token that the next decode feeds
+    produced: int = 0                   # tokens sampled (delivered or in flight)
+    done: bool = False
+    cancelled: bool = False
+    t_submit: float = dataclasses.field(default_factory=time.perf_counter)
+    t_first: float | None = None
+    delivered: int = 0                  # tokens emitted to the caller
+
+
+class Engine:
+    def __init__(self, executor: GraphExecutor, max_queue: int = 64):
+        self.ex = executor
+        self.max_queue = max_queue
+        self.vocab = executor.vocab_size
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.active: dict[int, Request] = {}            # slot -> request
+        self.free = list(range(executor.max_slots))
+        self.ids = itertools.count()
+        self.cv = threading.Condition()
+        self.last_tok = torch.zeros(executor.max_slots + 1, dtype=torch.int64, device=executor.device)
+        self.inflight: list = []                           # [(rows, host ids, cuda event)] launched, not read
+        self.counters = collections.Counter()
+        self.step_us = collections.defaultdict(float)      # summed µs per phase
+        self.closed = False
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._loop, name="onegraph-engine", daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def from_artifact(cls, path, max_slots: int = 4, max_queue: int = 64, device: str | None = None,
+                      check_parity: bool = True) -> "Engine":
+        return cls(GraphExecutor.from_artifact(path, max_slots=max_slots, device=device,
+                                               check_parity=check_parity), max_queue)
+
+    # ---------------- caller side ----------------
+    def _validate(self, prompt_ids, max_new_tokens, temperature, top_k, top_p) -> list[int]:
+        ids = [int(i) for i in prompt_ids]
+        if not ids:
+            raise ValueError("prompt is empty: at least one token id is needed")
+        bad = [i for i in ids if not 0 <= i < self.vocab]
+        if bad:
+            raise ValueError(f"prompt ids {bad[:5]} are outside the vocabulary [0, {self.vocab})")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if len(ids) + max_new_tokens > self.ex.max_seq_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                             f"artifact's max_seq_len {self.ex.max_seq_len}")
+        if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+            raise ValueError("need temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
+        return ids
+
+    def submit(self, prompt_ids, emit, max_new_tokens=16, temperature=0.0, top_k=0, top_p=1.0, seed=None,
+               stop_ids=()) -> int:
+        ids = self._validate(prompt_ids, max_new_tokens, temperature, top_k, top_p)
+        seed = random.getrandbits(63) if seed is None else int(seed)
+        req = Request(next(self.ids), ids, int(max_new_tokens), Sampling(float(temperature), int(top_k),
+                      float(top_p), seed), frozenset(int(s) for s in stop_ids), emit)
+        with self.cv:
+            if self.closed or self.error:
+                raise RuntimeError(f"engine is not running ({self.error or 'closed'})")
+            if len(self.waiting) >= self.max_queue:
+                self.counters["rejected_queue_full"] += 1
+                raise QueueFull(f"{len(self.waiting)} requests already waiting (max_queue={self.max_queue})")
+            self.waiting.append(req)
+            self.counters["submitted"] += 1
+            self.cv.notify()
+        return req.id
+
+    def generate(self, prompt_ids, max_new_tokens=16, temperature=0.0, top_k=0, top_p=1.0, seed=None,
+                 stop_ids=(), timeout: float | None = None) -> Result:
+        out, done, fin = [], threading.Event(), []
+
+        def emit(ev: Event):
+            if ev.token_id is not None:
+                out.append(ev.token_id)
+            if ev.finish_reason is not None:
+                fin.append(ev.finish_reason)
+                done.set()
+        t0 = time.perf_counter()
+        self.submit(prompt_ids, emit, max_new_tokens, temperature, top_k, top_p, seed, stop_ids)
+        if not done.wait(timeout):
+            raise TimeoutError("generation did not finish in time")
+        return Result(out, fin[0], {"total_ms": (time.perf_counter() - t0) * 1e3, **self.stats()["step_us"]})
+
+    async def stream(self, prompt_ids, max_new_tokens=16, temperature=0.0, top_k=0, top_p=1.0, seed=None,
+                     stop_ids=(), request_id: list | None = None):
+        """Async iterator of Events; the last one has token_id None and a finish_reason.
+        `request_id`, if given a list, receives the id (for cancel())."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        rid = self.submit(prompt_ids, lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev), max_new_tokens,
+                          temperature, top_k, top_p, seed, stop_ids)
+        if request_id is not None:
+            request_id.append(rid)
+        try:
+            while True:
+                ev = await q.get()
+                yield ev
+                if ev.finish_reason is not None:
+                    return
+        finally:
+            self.cancel(rid)          # a consumer that stops early frees its slot
+
+    def cancel(self, request_id: int) -> bool:
+        with self.cv:
+            for r in list(self.waiting) + list(self.active.values()):
+                if r.id == request_id and not r.done:
+                    r.cancelled = True
+                    self.cv.notify()
+                    return True
+        return False
+
+    def stats(self) -> dict:
+        with self.cv:
+            steps = max(1, self.counters["decode_steps"])
+            return {"active_slots": len(self.active), "free_slots": len(self.free), "queue_depth": len(self.waiting),
+                    "max_slots": self.ex.max_slots, "counters": dict(self.counters),
+                    "step_us": {k: v / steps for k, v in self.step_us.items()},
+                    "error": repr(self.error) if self.error else None}
+
+    def close(self):
+        with self.cv:
+            self.closed = True
+            self.cv.notify()
+        self.thread.join(timeout=30)
+
+    # ---------------- engine thread ----------------
+    def _finish(self, r: Request, reason: str):
+        """Under self.cv: end a request, free its slot, send the last event."""
+        if r.done:
+            return
+        r.done = True
+        self.counters[f"finished_{reason}"] += 1
+        if r.slot >= 0 and self.active.get(r.slot) is r:
+            del self.active[r.slot]
+            self.free.append(r.slot)
+        r.emit(Event(None, reason))
+
+    def _loop(self):
+        try:
+            while self._iteration():
+                pass
+        except BaseException as e:  # an engine bug: fail every request loudly, never leave one hanging
+            self.error = e
+            with self.cv:
+                for r in list(self.waiting) + list(self.active.values()):
+                    if not r.done:
+                        r.done = True
+                        r.emit(Event(None, "error"))
+                self.waiting.clear()
+                self.active.clear()
+            raise
+
+    def _iteration(self) -> bool:
+        with self.cv:
+            while not (self.closed or self.waiting or self.active or self.inflight):
+                self.cv.wait()
+            if self.closed and not self.active and not self.inflight:
+                for r in self.waiting:
+                    r.done = True
+                    r.emit(Event(None, "cancelled"))
+                self.waiting.clear()
+                return False
+            for r in list(self.active.values()):
+                if r.cancelled:
+                    self._finish(r, "cancelled")
+            admit = []
+            while self.waiting and self.free and not self.closed:
+                r = self.waiting.popleft()
+                if r.cancelled:
+                    r.done = True
+                    r.emit(Event(None, "cancelled"))
+                    continue
+                r.slot = self.free.pop(0)
+                self.active[r.slot] = r
+                admit.append(r)
+            if self.closed:
+                for r in list(self.active.values()):
+                    self._finish(r, "cancelled")
+            rows = [r for r in self.active.values() if r.produced < r.max_new_tokens and r not in admit]
+        previous, self.inflight = self.inflight, []
+        for r in admit:
+            self._prefill(r)
+        self._decode(rows)
+        # one step late: read what the previous iteration launched while this one runs
+        self._read(previous)
+        if not admit and not rows:
+            self._read(self.inflight)           # nothing new launched: flush
+            self.inflight = []
+        return True
+
+    def _launch(self, rows: list[Request], ids_dev: torch.Tensor):
+        host = ids_dev.to("cpu", non_blocking=ids_dev.device.type == "cuda")
+        ev = None
+        if ids_dev.device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record()
+        self.inflight.append((rows, host, ev))
+
+    def _read(self, batches):
+        t = time.perf_counter()
+        for rows, host, ev in batches:
+            if ev is not None:
+                ev.synchronize()
+            for r, tok in zip(rows, host.tolist()):
+                self._deliver(r, tok)
+        self.step_us["host_read"] += (time.perf_counter() - t) * 1e6
+
+    def _deliver(self, r: Request, tok: int):
+        with self.cv:
+            if r.done:
+                self.counters["overrun_dropped"] += 1      # stopped one step late: drop
+                return
+            if r.cancelled:
+                return self._finish(r, "cancelled")
+            if tok in r.stop_ids:
+                return self._finish(r, "stop")
+            if r.t_first is None:
+                r.t_first = time.perf_counter()
+            r.delivered += 1
+            self.counters["generated_tokens"] += 1
+            r.emit(Event(tok))
+            if r.delivered >= r.max_new_tokens:
+                self._finish(r, "length")
+
+    def _prefill(self, r: Request):
+        t = time.perf_counter()
+        ids, _ = self.ex.prefill(r.prompt, r.slot, r.sampling)
+        self.last_tok[r.slot] = ids[0]                    # device to device: the next decode's input
+        r.pos, r.produced = len(r.prompt), 1
+        self.counters["prefill_tokens"] += len(r.prompt)
+        self.step_us["prefill"] += (time.perf_counter() - t) * 1e6
+        self._launch([r], ids)
+
+    def _decode(self, rows: list[Request]):
+        if not rows:
+            return
+        cap = self.ex.decode_buckets[-1]
+        for i in range(0, len(rows), cap):
+            part = rows[i:i + cap]
+            t0 = time.perf_counter()
+            slots = torch.tensor([r.slot for r in part], dtype=torch.int64).to(self.ex.device, non_blocking=True)
+            tokens = self.last_tok.index_select(0, slots)     # stays on the device
+            t1 = time.perf_counter()
+            ids, _ = self.ex.decode_tensors(tokens, slots, [r.pos for r in part], [r.sampling for r in part])
+            t2 = time.perf_counter()
+            self.last_tok.index_copy_(0, slots, ids)
+            for r in part:
+                r.pos += 1
+                r.produced += 1
+            self._launch(part, ids)
+            self.step_us["copy_in"] += (t1 - t0) * 1e6
+            self.step_us["replay"] += (t2 - t1) * 1e6
+            self.step_us["bookkeeping"] += (time.perf_counter() - t2) * 1e6
+            self.counters["decode_steps"] += 1
+            self.counters["decode_rows"] += len(part)
