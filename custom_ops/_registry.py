@@ -6,8 +6,11 @@ implementation is the pure-torch reference, wrapped in a counter: an exported ar
 call it (that would be a Python callback on every run), and tests assert the counter stays 0.
 
 Lowerings per device: "decompose" means export replaces the op by its reference traced to aten,
-which AOTInductor compiles to C++ (CPU) or Triton (CUDA). A device with no lowering fails closed
-in `decompositions()`.
+which AOTInductor compiles to C++ (CPU) or Triton (CUDA). "triton" means export replaces the op by
+`onegraph::<name>_triton`, a `torch.library.triton_op` whose hand-written kernels AOTInductor
+compiles into the artifact (custom_ops/triton/, registered through `register_lowering`). A device
+with no lowering, or whose lowering is not registered (triton not installed), fails closed in
+`decompositions()`.
 """
 from __future__ import annotations
 
@@ -37,6 +40,12 @@ class OpSpec:
 
 
 REGISTRY: dict[str, OpSpec] = {}
+# Ops whose CUDA lowering is a hand-written Triton kernel (custom_ops/triton/<file>.py). Declared here,
+# not discovered, so a machine without triton fails closed instead of silently decomposing.
+TRITON_CUDA_OPS = frozenset({"gdn_decode_step", "fused_moe", "attention_decode",
+                             "rms_norm", "add_rms_norm", "gated_rms_norm"})
+# (name, how) -> callable with the op's signature that export puts in the op's place.
+LOWERINGS: dict[tuple[str, str], Callable] = {}
 
 
 def define_op(name: str, *, version: int, schema: str, reference: Callable, validate: Callable,
@@ -56,9 +65,33 @@ def define_op(name: str, *, version: int, schema: str, reference: Callable, vali
 
     op = torch.library.custom_op(f"{NAMESPACE}::{name}", impl, mutates_args=(), schema=schema)
     op.register_fake(fake_impl)
-    REGISTRY[name] = OpSpec(name, version, schema, reference, op,
-                            dict(lowerings or {"cpu": "decompose", "cuda": "decompose", "xpu": "decompose"}))
+    if lowerings is None:
+        lowerings = {"cpu": "decompose", "cuda": "triton" if name in TRITON_CUDA_OPS else "decompose",
+                     "xpu": "decompose"}
+    REGISTRY[name] = OpSpec(name, version, schema, reference, op, dict(lowerings))
     return op
+
+
+def register_lowering(name: str, how: str, impl: Callable) -> None:
+    """Called by a lowering module (custom_ops/triton/*.py) for the op it implements."""
+    if name not in REGISTRY:
+        raise RuntimeError(f"lowering {how!r} for unknown op onegraph::{name}")
+    if (name, how) in LOWERINGS:
+        raise RuntimeError(f"lowering {how!r} of onegraph::{name} registered twice")
+    LOWERINGS[(name, how)] = impl
+
+
+def _lowering(name: str, how: str, device_type: str) -> Callable:
+    if how == "triton" and (name, how) not in LOWERINGS:
+        from . import triton as kernels          # registers the Triton ops when triton is installed
+        if not kernels.AVAILABLE:
+            raise NotImplementedError(
+                f"op onegraph::{name} needs its 'triton' lowering for device {device_type!r}, but triton "
+                f"cannot be imported ({kernels.IMPORT_ERROR}); install the `cuda` extra")
+    impl = LOWERINGS.get((name, how))
+    if impl is None:
+        raise NotImplementedError(f"op onegraph::{name}: no {how!r} lowering registered for device {device_type!r}")
+    return impl
 
 
 def schema_versions() -> dict[str, int]:
@@ -75,6 +108,8 @@ def decompositions(device_type: str) -> dict:
             raise NotImplementedError(f"op onegraph::{spec.name} has no lowering for device {device_type!r}")
         if how == "decompose":
             table[spec.overload] = spec.reference
+        else:
+            table[spec.overload] = _lowering(spec.name, how, device_type)
     return table
 
 

@@ -1,0 +1,27 @@
+"""CUDA lowerings of the hot decode ops: hand-written Triton kernels behind `torch.library.triton_op`.
+
+Importing this package registers `onegraph::<op>_triton` for every op with a kernel and tells the
+registry (`_registry.register_lowering(name, "triton", op)`); `_registry.decompositions("cuda")`
+imports it lazily and maps each onegraph op to its Triton op, so `ep.run_decompositions(table)`
+swaps them at export time and AOTInductor compiles the kernels into the artifact.
+
+One file per op (kernel + launcher + triton_op), sharing `_common.py`:
+  gdn_decode_step.py   one fused kernel: conv window + SiLU, gates, L2 norm, fp32 delta rule
+  fused_moe.py         aten router, then SwiGLU(gate_up) and down + weighted combine + shared expert
+  attention_decode.py  GQA flash-decoding (split over the KV length) + combine
+  norms.py             rms_norm, add_rms_norm, gated_rms_norm row kernels
+
+Without triton installed nothing is registered (AVAILABLE is False, IMPORT_ERROR says why) and the
+registry fails closed for every op whose CUDA lowering is "triton". This guarded import is the only
+conditional import in the package: it exists so that `import onegraph.custom_ops` and the CPU export
+path work on machines without triton.
+"""
+try:
+    import triton  # noqa: F401
+except ImportError as e:  # no triton: register no CUDA lowerings; the registry then fails closed
+    AVAILABLE = False
+    IMPORT_ERROR = f"{type(e).__name__}: {e}"
+else:
+    AVAILABLE = True
+    IMPORT_ERROR = None
+    from . import attention_decode, fused_moe, gdn_decode_step, norms  # noqa: F401  (register)

@@ -1,0 +1,156 @@
+"""Triton lowering of fused_moe (contract: custom_ops/fused_moe.py), built for decode (T = 1..64).
+
+Router: aten inside the triton_op (`route` from the reference: logits in x.dtype, fp32 softmax,
+top-k, renormalise, cast) -> w [T, k], idx [T, k].
+Kernel 1 (SwiGLU), grid (T*k + T, cdiv(max(I, Is), BI)): program p < T*k takes pair p = (t, j) and
+computes act[p, tile] = silu(x[t] . gate_up[idx, tile]) * (x[t] . gate_up[idx, I + tile]) reading
+only that expert's rows; programs p >= T*k do the shared expert of token p - T*k.
+Kernel 2 (down + combine), grid (T, cdiv(H, BH)): y[t, tile] = sum_j w[t,j] down[idx[t,j], tile] . act
++ sigmoid(x[t] . shared_gate_w) shared_down[tile] . act_shared.
+Programs are launched pairs-fastest (kernel 1) and tokens-fastest (kernel 2), so the programs that
+read one expert's tile run together and share it through L2: DRAM traffic ~ distinct experts.
+Numerics: fp32 accumulation; the reference's roundings to x.dtype (gate_up product, silu, act,
+down product, its scaling by w, the routed sum, the shared gate and product) are reproduced.
+Any T works; prefill sizes (T*k >> E) would want a grouped-GEMM kernel (tensor cores) instead.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op
+
+from .. import _registry
+from ..fused_moe import _validate, route
+from ._common import launch, next_pow2, rnd, to_dt
+
+
+@triton.jit
+def _swiglu_rows(x_row, sx_h, wg, sg_r, sg_h, wu, su_r, su_h, rows, mrow, H: tl.constexpr, DT: tl.constexpr,
+                 BI: tl.constexpr, BH: tl.constexpr):
+    """silu(x . wg[rows]) * (x . wu[rows]) -> [BI] fp32, rounded where the bf16 reference rounds."""
+    acc_g = tl.zeros([BI, BH], tl.float32)
+    acc_u = tl.zeros([BI, BH], tl.float32)
+    for h0 in range(0, H, BH):
+        offs_h = h0 + tl.arange(0, BH)
+        mh = offs_h < H
+        xv = tl.load(x_row + offs_h * sx_h, mask=mh, other=0.0).to(tl.float32)
+        m2 = mrow[:, None] & mh[None, :]
+        gw = tl.load(wg + rows[:, None] * sg_r + offs_h[None, :] * sg_h, mask=m2, other=0.0)
+        uw = tl.load(wu + rows[:, None] * su_r + offs_h[None, :] * su_h, mask=m2, other=0.0)
+        acc_g += gw.to(tl.float32) * xv[None, :]
+        acc_u += uw.to(tl.float32) * xv[None, :]
+    g = rnd(tl.sum(acc_g, axis=1), DT)
+    u = rnd(tl.sum(acc_u, axis=1), DT)
+    return rnd(rnd(g * tl.sigmoid(g), DT) * u, DT)
+
+
+@triton.jit
+def _moe_swiglu_kernel(x, idx, gate_up, sh_gate, sh_up, act, act_sh,
+                       s_x_t, s_x_h, s_gu_e, s_gu_r, s_gu_h, s_sg_r, s_sg_h, s_su_r, s_su_h,
+                       P, H: tl.constexpr, I: tl.constexpr, Is: tl.constexpr,
+                       TOPK: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr):
+    pid = tl.program_id(0)
+    it = tl.program_id(1)
+    DT: tl.constexpr = x.dtype.element_ty
+    rows = it * BI + tl.arange(0, BI)
+    if pid < P:                                   # routed pair p = t*k + j
+        t = pid // TOPK
+        e = tl.load(idx + pid)                    # int64: 64-bit weight offsets
+        mrow = rows < I
+        w_e = gate_up + e * s_gu_e
+        a = _swiglu_rows(x + t * s_x_t, s_x_h, w_e, s_gu_r, s_gu_h, w_e + I * s_gu_r, s_gu_r, s_gu_h,
+                         rows, mrow, H, DT, BI, BH)
+        tl.store(act + pid * I + rows, to_dt(a, DT), mask=mrow)
+    else:                                         # shared expert of token t
+        t = pid - P
+        mrow = rows < Is
+        a = _swiglu_rows(x + t * s_x_t, s_x_h, sh_gate, s_sg_r, s_sg_h, sh_up, s_su_r, s_su_h,
+                         rows, mrow, H, DT, BI, BH)
+        tl.store(act_sh + t * Is + rows, to_dt(a, DT), mask=mrow)
+
+
+@triton.jit
+def _moe_down_kernel(x, idx, wts, down, sh_down, sh_gate_w, act, act_sh, y,
+                     s_x_t, s_x_h, s_d_e, s_d_h, s_d_i, s_sd_h, s_sd_i, s_sgw_h, s_y_t, s_y_h,
+                     H: tl.constexpr, I: tl.constexpr, Is: tl.constexpr,
+                     TOPK: tl.constexpr, BH: tl.constexpr, BI: tl.constexpr, BG: tl.constexpr):
+    t = tl.program_id(0)
+    ih = tl.program_id(1)
+    DT: tl.constexpr = x.dtype.element_ty
+    rows = ih * BH + tl.arange(0, BH)
+    mrow = rows < H
+
+    routed = tl.zeros([BH], tl.float32)
+    for j in tl.static_range(TOPK):
+        p = t * TOPK + j
+        e = tl.load(idx + p)
+        wt = tl.load(wts + p).to(tl.float32)
+        acc = tl.zeros([BH, BI], tl.float32)
+        for i0 in range(0, I, BI):
+            offs_i = i0 + tl.arange(0, BI)
+            mi = offs_i < I
+            av = tl.load(act + p * I + offs_i, mask=mi, other=0.0).to(tl.float32)
+            dw = tl.load(down + e * s_d_e + rows[:, None] * s_d_h + offs_i[None, :] * s_d_i,
+                         mask=mrow[:, None] & mi[None, :], other=0.0)
+            acc += dw.to(tl.float32) * av[None, :]
+        routed += rnd(rnd(tl.sum(acc, axis=1), DT) * wt, DT)                 # (y * w) in x.dtype
+    routed = rnd(routed, DT)                                                 # .sum(1) in x.dtype
+
+    acc = tl.zeros([BH, BI], tl.float32)
+    for i0 in range(0, Is, BI):
+        offs_i = i0 + tl.arange(0, BI)
+        mi = offs_i < Is
+        av = tl.load(act_sh + t * Is + offs_i, mask=mi, other=0.0).to(tl.float32)
+        dw = tl.load(sh_down + rows[:, None] * s_sd_h + offs_i[None, :] * s_sd_i,
+                     mask=mrow[:, None] & mi[None, :], other=0.0)
+        acc += dw.to(tl.float32) * av[None, :]
+    shared = rnd(tl.sum(acc, axis=1), DT)
+
+    gacc = tl.zeros([BG], tl.float32)                # shared-expert gate: sigmoid(x[t] . shared_gate_w)
+    for h0 in range(0, H, BG):
+        offs_h = h0 + tl.arange(0, BG)
+        mh = offs_h < H
+        xv = tl.load(x + t * s_x_t + offs_h * s_x_h, mask=mh, other=0.0).to(tl.float32)
+        gacc += tl.load(sh_gate_w + offs_h * s_sgw_h, mask=mh, other=0.0).to(tl.float32) * xv
+    gate = rnd(tl.sigmoid(rnd(tl.sum(gacc, axis=0), DT)), DT)
+    res = routed + rnd(gate * shared, DT)
+    tl.store(y + t * s_y_t + rows * s_y_h, to_dt(res, DT), mask=mrow)
+
+
+# Tile sizes (tunable with tools/bench_ops.py): kernel 1 reads [BI, BH1] tiles of gate and of up per
+# step, kernel 2 [BH2, BI2] tiles of down per selected expert.
+BI1, BH1 = 16, 256
+BH2, BI2 = 16, 256
+
+
+@triton_op("onegraph::fused_moe_triton", mutates_args=())
+def fused_moe_triton(x: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                     shared_gate: torch.Tensor, shared_up: torch.Tensor, shared_down: torch.Tensor,
+                     shared_gate_w: torch.Tensor, top_k: int) -> torch.Tensor:
+    _validate(x, router_w, gate_up, down, shared_gate, shared_up, shared_down, shared_gate_w, top_k)
+    T, H = x.shape
+    I = gate_up.shape[1] // 2
+    Is = shared_gate.shape[0]
+    w, idx = route(x, router_w, top_k)                                      # [T, k] x.dtype, int64
+    w, idx = w.contiguous(), idx.contiguous()
+    P = T * top_k
+    act = torch.empty((P, I), dtype=x.dtype, device=x.device)
+    act_sh = torch.empty((T, Is), dtype=x.dtype, device=x.device)
+    y = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    BI = min(BI1, next_pow2(max(I, Is)))
+    BH = min(BH1, next_pow2(H))
+    launch(_moe_swiglu_kernel, (P + T, triton.cdiv(max(I, Is), BI)),
+           x, idx, gate_up, shared_gate, shared_up, act, act_sh,
+           *x.stride(), *gate_up.stride(), *shared_gate.stride(), *shared_up.stride(),
+           P, H=H, I=I, Is=Is, TOPK=top_k, BI=BI, BH=BH, num_warps=4)
+    BHo = min(BH2, next_pow2(H))
+    BIo = min(BI2, next_pow2(max(I, Is)))
+    launch(_moe_down_kernel, (T, triton.cdiv(H, BHo)),
+           x, idx, w, down, shared_down, shared_gate_w, act, act_sh, y,
+           *x.stride(), *down.stride(), *shared_down.stride(), shared_gate_w.stride(1), *y.stride(),
+           H=H, I=I, Is=Is, TOPK=top_k, BH=BHo, BI=BIo, BG=min(1024, next_pow2(H)), num_warps=4)
+    return y
+
+
+_registry.register_lowering("fused_moe", "triton", torch.ops.onegraph.fused_moe_triton.default)
