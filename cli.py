@@ -151,6 +151,45 @@ def generate_artifact(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """OpenAI-compatible HTTP server over one Engine. SIGTERM/SIGINT: stop accepting, cancel what
+    is in flight (streams end with an error event), close the engine, exit 0."""
+    import asyncio
+    import uvicorn
+    from onegraph.runtime import Engine
+    from onegraph.server.app import create_app
+    if not is_artifact(args.artifact):
+        raise UserError(f"{args.artifact} is not an exported artifact (no manifest.json)")
+    if args.max_slots < 1 or args.max_queue < 0:
+        raise UserError("need --max-slots >= 1 and --max-queue >= 0")
+    engine = Engine.from_artifact(args.artifact, max_slots=args.max_slots, max_queue=args.max_queue,
+                                  device=args.device)
+    name = args.served_model_name or Path(args.artifact).resolve().name
+    app = create_app(engine, name, api_key=args.api_key)
+    srv = app.state.server
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # runs as a signal handler: hand the work to the event loop, never take engine locks here
+            srv.draining = True
+            loop = getattr(self, "_loop", None)
+            if loop is not None:
+                loop.call_soon_threadsafe(srv.cancel_all)
+            super().handle_exit(sig, frame)
+
+        async def serve(self, sockets=None):
+            self._loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                   timeout_graceful_shutdown=10))
+    try:
+        server.run()
+    finally:
+        engine.close()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="onegraph", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -181,6 +220,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="print an artifact's manifest summary and per-graph op counts")
     p.add_argument("artifact")
     p.set_defaults(fn=cmd_inspect)
+
+    p = sub.add_parser("serve", help="serve an artifact over an OpenAI-compatible HTTP API")
+    p.add_argument("artifact")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--max-slots", type=int, default=4)
+    p.add_argument("--max-queue", type=int, default=64)
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: artifact dir name)")
+    p.add_argument("--device", default=None, help="artifact device (default: the one it was exported for)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(fn=cmd_serve)
     return ap
 
 
