@@ -23,3 +23,22 @@ def tiny_artifact(tmp_path_factory):
 def tiny_eager():
     from onegraph.graphs.load import load_model
     return load_model("tiny")[1]
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """A transformers-made tiny checkpoint (test-only oracle) saved with save_pretrained."""
+    pytest.importorskip("transformers")
+    import hf_models
+    out = tmp_path_factory.mktemp("hf") / "moe"
+    hf_models.build("moe_i2_top1_gqa4_oddvocab").save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_artifact(hf_checkpoint, tmp_path_factory):
+    from onegraph.export.pipeline import ExportOptions, export
+    out = tmp_path_factory.mktemp("art") / "hf"
+    export(str(hf_checkpoint), out, ExportOptions(batch_sizes=(1, 2), prefill_chunks=(16,), max_seq_len=128),
+           progress=False)
+    return out

@@ -33,16 +33,10 @@ def test_tiny_artifact_matches_eager_and_never_calls_python(tiny_artifact, tiny_
         assert_same_stream(ids, logits, generate_eager(tiny_eager, p, STEPS, max_seq_len=256), f"prompt {p[:4]}")
 
 
-def test_transformers_checkpoint_artifact_matches_eager(tmp_path):
-    hf_models = pytest.importorskip("hf_models")
-    pytest.importorskip("transformers")
-    from onegraph.export.pipeline import ExportOptions, export
+def test_transformers_checkpoint_artifact_matches_eager(hf_checkpoint, hf_artifact):
     from onegraph.graphs.load import load_model
-    hf_models.build("moe_i2_top1_gqa4_oddvocab").save_pretrained(tmp_path / "hf")
-    export(str(tmp_path / "hf"), tmp_path / "art", ExportOptions(batch_sizes=(1,), prefill_chunks=(16,),
-                                                                 max_seq_len=128), progress=False)
-    ex = GraphExecutor.from_artifact(tmp_path / "art", max_slots=1)
-    _, model, _ = load_model(tmp_path / "hf")
+    ex = GraphExecutor.from_artifact(hf_artifact, max_slots=1)
+    _, model, _ = load_model(hf_checkpoint)
     for p in PROMPTS:
         ids, logits = ex.generate(p, STEPS)
         assert_same_stream(ids, logits, generate_eager(model, p, STEPS, max_seq_len=128), f"hf prompt {p[:4]}")
