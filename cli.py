@@ -155,6 +155,8 @@ def cmd_serve(args) -> int:
     """OpenAI-compatible HTTP server over one Engine. SIGTERM/SIGINT: stop accepting, cancel what
     is in flight (streams end with an error event), close the engine, exit 0."""
     import asyncio
+    import contextlib
+    import signal
     import uvicorn
     from onegraph.runtime import Engine
     from onegraph.server.app import create_app
@@ -180,6 +182,18 @@ def cmd_serve(args) -> int:
         async def serve(self, sockets=None):
             self._loop = asyncio.get_running_loop()
             await super().serve(sockets)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn re-raises a captured SIGTERM after shutting down (exit -15); a graceful
+            # shutdown here is a success, so restore the handlers and return normally
+            sigs = (signal.SIGINT, signal.SIGTERM)
+            old = {s: signal.signal(s, self.handle_exit) for s in sigs}
+            try:
+                yield
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
 
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                    timeout_graceful_shutdown=10))
@@ -216,6 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(fn=cmd_export)
+
+    p = sub.add_parser("bench", help="decode speed: replayed graphs vs eager (vs transformers), JSON out")
+    from onegraph.tools.bench import add_args as bench_args
+    bench_args(p)
+    p.set_defaults(fn=lambda a: __import__("onegraph.tools.bench", fromlist=["main"]).main(a))
 
     p = sub.add_parser("inspect", help="print an artifact's manifest summary and per-graph op counts")
     p.add_argument("artifact")
