@@ -80,6 +80,8 @@ class Engine:
         self.step_us = collections.defaultdict(float)      # summed µs per phase
         self.closed = False
         self.error: BaseException | None = None
+        # the engine thread runs with the creator's intra-op thread count (OpenMP settings are per thread)
+        self.threads = torch.get_num_threads()
         self.thread = threading.Thread(target=self._loop, name="onegraph-engine", daemon=True)
         self.thread.start()
 
@@ -194,6 +196,7 @@ class Engine:
         r.emit(Event(None, reason))
 
     def _loop(self):
+        torch.set_num_threads(self.threads)
         try:
             while self._iteration():
                 pass

@@ -1,0 +1,156 @@
+"""`onegraph bench`: decode speed of replayed graphs vs the same model eager (and transformers eager
+when installed), side by side in one run, written as JSON with the command that made it.
+
+    onegraph bench --preset tiny --out benchmarks/cpu_tiny.json
+    onegraph bench --preset tiny --device cuda --dtype bfloat16 --out benchmarks/h200_tiny.json
+
+Metrics: decode ms/token and tok/s per batch size for each mode (a step of B rows yields B tokens),
+prefill ms for one chunk, and host µs per engine step (CPU time outside the graph call:
+copy-in + bookkeeping + reading ids). Timing asserts never live in tests; this is where speed is
+measured.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_decode(executor, B: int, steps: int, warmup: int = 5) -> float:
+    """ms per decode step of B rows (slots 0..B-1, each prefilled with a short prompt)."""
+    from onegraph.runtime.executor import Sampling
+    for s in range(B):
+        executor.prefill([1 + s, 2, 3], s)
+    tokens, slots = [5] * B, list(range(B))
+    for _ in range(warmup):
+        executor.decode(tokens, slots, [3] * B, [Sampling()] * B)
+    _sync(executor.device)
+    t = time.perf_counter()
+    for i in range(steps):
+        executor.decode(tokens, slots, [3 + i % 8] * B, [Sampling()] * B)
+    _sync(executor.device)
+    return (time.perf_counter() - t) / steps * 1e3
+
+
+def time_prefill(executor, T: int, reps: int = 3) -> float:
+    prompt = [7] * T
+    executor.prefill(prompt, 0)
+    _sync(executor.device)
+    t = time.perf_counter()
+    for _ in range(reps):
+        executor.prefill(prompt, 0)
+    _sync(executor.device)
+    return (time.perf_counter() - t) / reps * 1e3
+
+
+def engine_host_us(artifact: Path, device: str, n_tokens: int = 64) -> dict:
+    from onegraph.runtime import Engine
+    eng = Engine.from_artifact(artifact, max_slots=1, device=device, check_parity=False)
+    try:
+        eng.generate([1, 2, 3], 8)
+        eng.step_us.clear()
+        eng.counters.clear()
+        eng.generate([1, 2, 3], n_tokens)
+        us = eng.stats()["step_us"]
+    finally:
+        eng.close()
+    host = us.get("copy_in", 0) + us.get("bookkeeping", 0) + us.get("host_read", 0)
+    return {"host_us_per_step": round(host, 2), "replay_call_us_per_step": round(us.get("replay", 0), 2),
+            "breakdown_us": {k: round(v, 2) for k, v in us.items()}}
+
+
+def transformers_ms(model_dir: Path, device: str, dtype: torch.dtype, steps: int) -> float | None:
+    try:
+        import transformers
+    except ImportError:
+        return None
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+    ids = torch.tensor([[1, 2, 3]], device=device)
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        for _ in range(3):
+            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        _sync(device)
+        t = time.perf_counter()
+        for _ in range(steps):
+            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        _sync(device)
+    return (time.perf_counter() - t) / steps * 1e3
+
+
+def run(args) -> dict:
+    from onegraph.export.pipeline import ExportOptions, export
+    from onegraph.graphs.load import load_model, model_dir
+    from onegraph.runtime.executor import GraphExecutor
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    src = model_dir(args.preset)
+    batch = tuple(sorted(set(args.batch_sizes)))
+    artifact = Path(args.artifact) if args.artifact else Path(tempfile.mkdtemp(prefix="onegraph-bench-")) / "art"
+    t = time.time()
+    if not (artifact / "manifest.json").is_file():
+        export(str(src), artifact, ExportOptions(device=args.device, dtype=args.dtype, batch_sizes=batch,
+                                                 prefill_chunks=(args.prefill_chunk,), max_seq_len=args.max_seq_len),
+               progress=not args.quiet)
+    export_s = time.time() - t
+    replay = GraphExecutor.from_artifact(artifact, max_slots=max(batch), device=args.device, check_parity=False)
+    _, model, _ = load_model(src, args.dtype, args.device)
+    eager = GraphExecutor.from_model(model, {"decode": list(batch), "prefill": [args.prefill_chunk]},
+                                     max_slots=max(batch), max_seq_len=args.max_seq_len)
+    rows = []
+    for B in batch:
+        r_ms = time_decode(replay, B, args.steps)
+        e_ms = time_decode(eager, B, max(3, args.steps // 10))
+        rows.append({"batch": B, "replay_ms_per_step": round(r_ms, 4), "eager_ms_per_step": round(e_ms, 4),
+                     "replay_tok_s": round(B / r_ms * 1e3, 1), "eager_tok_s": round(B / e_ms * 1e3, 1),
+                     "replay_speedup_vs_eager": round(e_ms / r_ms, 2)})
+    tf_ms = transformers_ms(src, args.device, model.embed_tokens.weight.dtype, max(3, args.steps // 10)) \
+        if args.transformers else None
+    return {
+        "command": "onegraph bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
+        "preset": args.preset, "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(),
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+                    "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
+        "export_seconds": round(export_s, 1), "decode": rows,
+        "prefill_ms": {str(args.prefill_chunk): round(time_prefill(replay, args.prefill_chunk), 3)},
+        "engine": engine_host_us(artifact, args.device),
+        "transformers_eager_ms_per_token_bs1": None if tf_ms is None else round(tf_ms, 3),
+    }
+
+
+def add_args(p) -> None:
+    p.add_argument("--preset", default="tiny", help="`tiny` or an HF-format model directory")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
+    p.add_argument("--prefill-chunk", type=int, default=64)
+    p.add_argument("--max-seq-len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads (1 for tiny CPU runs: less noise)")
+    p.add_argument("--artifact", help="reuse (or create) the artifact at this path")
+    p.add_argument("--no-transformers", dest="transformers", action="store_false")
+    p.add_argument("--out", help="write the JSON here")
+    p.add_argument("--quiet", action="store_true")
+
+
+def main(args) -> int:
+    res = run(args)
+    text = json.dumps(res, indent=2)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
