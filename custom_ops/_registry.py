@@ -38,6 +38,11 @@ class OpSpec:
     def overload(self) -> torch._ops.OpOverload:
         return getattr(getattr(torch.ops, NAMESPACE), self.name).default
 
+    @property
+    def triton_name(self) -> str | None:
+        """Qualified name of the triton_op a "triton" lowering puts in the graph (export's allow-list)."""
+        return f"{NAMESPACE}::{self.name}_triton" if "triton" in self.lowerings.values() else None
+
 
 REGISTRY: dict[str, OpSpec] = {}
 # Ops whose CUDA lowering is a hand-written Triton kernel (custom_ops/triton/<file>.py). Declared here,

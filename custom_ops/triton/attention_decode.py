@@ -65,19 +65,16 @@ def _attn_split_kernel(q, k_cache, v_cache, slots, positions, o_part, m_part, l_
     m_i = tl.full([BG], float("-inf"), tl.float32)
     l_i = tl.zeros([BG], tl.float32)
     acc = tl.zeros([BG, BD], tl.float32)
-    # A `while` over a run-time range, the next tile's K/V loads issued before this tile's math
-    # (hand double-buffering). `for start in range(lo, hi, BN)` would let the compiler pipeline,
-    # but the Triton 3.6 interpreter cannot run run-time `range` bounds under NumPy >= 2.4.
-    offs_n = lo + tl.arange(0, BN)
-    mn = offs_n < hi
-    kt = tl.load(k_base + offs_n[:, None] * s_k_t + offs_d[None, :] * s_k_d, mask=mn[:, None] & md[None, :], other=0.0)
-    vt = tl.load(v_base + offs_n[:, None] * s_v_t + offs_d[None, :] * s_v_d, mask=mn[:, None] & md[None, :], other=0.0)
+    # A `while` over a run-time range: `for start in range(lo, hi, BN)` would let the compiler
+    # pipeline the loads, but the Triton 3.6 interpreter cannot run run-time `range` bounds under
+    # NumPy >= 2.4. K and V of a tile are loaded together, before the math, so both are in flight.
     start = lo
     while start < hi:
-        nx_n = start + BN + tl.arange(0, BN)
-        nx_m = nx_n < hi
-        kn = tl.load(k_base + nx_n[:, None] * s_k_t + offs_d[None, :] * s_k_d, mask=nx_m[:, None] & md[None, :], other=0.0)
-        vn = tl.load(v_base + nx_n[:, None] * s_v_t + offs_d[None, :] * s_v_d, mask=nx_m[:, None] & md[None, :], other=0.0)
+        offs_n = start + tl.arange(0, BN)
+        mn = offs_n < hi
+        m2 = mn[:, None] & md[None, :]
+        kt = tl.load(k_base + offs_n[:, None] * s_k_t + offs_d[None, :] * s_k_d, mask=m2, other=0.0)
+        vt = tl.load(v_base + offs_n[:, None] * s_v_t + offs_d[None, :] * s_v_d, mask=m2, other=0.0)
         s = _dot(qt, tl.trans(kt.to(tl.float32)), IEEE)                      # [BG, BN] fp32
         s = rnd(rnd(s, DT) * scale, DT)                                      # (q k^T) * scale in q.dtype
         s = tl.where(mn[None, :], s, float("-inf"))
@@ -87,7 +84,6 @@ def _attn_split_kernel(q, k_cache, v_cache, slots, positions, o_part, m_part, l_
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + _dot(rnd(p, DT), vt.to(tl.float32), IEEE)
         m_i = m_new
-        kt, vt, mn = kn, vn, nx_m
         start += BN
 
     row = (i_b * H + heads) * NSPLIT + i_s                                   # [BG]
@@ -122,7 +118,9 @@ MAX_SPLITS = 64
 
 def plan(B: int, KVH: int, Tmax: int, D: int) -> tuple[int, int]:
     """-> (BN keys per step, NSPLIT splits), fixed per graph shape."""
-    BN = 64 if next_pow2(D) <= 128 else 32
+    # 64 keys of K and V per step: ~64 KB of loads in flight per SM (one 8-warp program fits per SM
+    # at D = 256: ~240 registers, no spills on sm_90, see compile_check.py)
+    BN = 64
     nsplit = max(1, min(TARGET_PROGRAMS // max(B * KVH, 1), MAX_SPLITS, triton.cdiv(Tmax, BN)))
     return BN, nsplit
 
