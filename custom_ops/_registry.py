@@ -104,14 +104,23 @@ def schema_versions() -> dict[str, int]:
     return {n: s.version for n, s in sorted(REGISTRY.items())}
 
 
-def decompositions(device_type: str) -> dict:
-    """Decomposition table for `ExportedProgram.run_decompositions`; fails closed per device."""
+KERNEL_CHOICES = ("auto", "reference")
+
+
+def decompositions(device_type: str, kernels: str = "auto") -> dict:
+    """Decomposition table for `ExportedProgram.run_decompositions`; fails closed per device.
+
+    kernels="auto": each op's registered lowering for the device (hand-written Triton on CUDA);
+    kernels="reference": every op traced from its pure-torch reference (Inductor writes the kernels) —
+    an explicit export option, recorded in the manifest, never a silent fallback."""
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
     table = {}
     for spec in REGISTRY.values():
         how = spec.lowerings.get(device_type)
         if how is None:
             raise NotImplementedError(f"op onegraph::{spec.name} has no lowering for device {device_type!r}")
-        if how == "decompose":
+        if how == "decompose" or kernels == "reference":
             table[spec.overload] = spec.reference
         else:
             table[spec.overload] = _lowering(spec.name, how, device_type)

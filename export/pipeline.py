@@ -40,6 +40,7 @@ class ExportOptions:
     prefill_chunks: tuple[int, ...] = (16, 64, 256)
     max_seq_len: int = 512
     tp: int = 1
+    kernels: str = "auto"                      # auto: hand-written kernels where registered | reference
 
     def validate(self, max_positions: int) -> None:
         if self.backend not in ("aoti", "onnx"):
@@ -104,7 +105,7 @@ def export(model_spec: str, out_dir: str | Path, opts: ExportOptions, progress: 
         spec = graph_spec(model, kind, bucket, opts.max_seq_len, dtype)
         bar.set_postfix_str(f"trace {spec.name}")
         t = time.time()
-        ep, hist = trace(model, spec, dev)
+        ep, hist = trace(model, spec, dev, opts.kernels)
         bar.update()
         bar.set_postfix_str(f"lower {spec.name}")
         if opts.backend == "aoti":

@@ -50,11 +50,11 @@ def check_lowered(ep: torch.export.ExportedProgram, device_type: str) -> dict[st
     return hist
 
 
-def trace(model, spec: GraphSpec, device) -> tuple[torch.export.ExportedProgram, dict]:
+def trace(model, spec: GraphSpec, device, kernels: str = "auto") -> tuple[torch.export.ExportedProgram, dict]:
     dev = torch.device(device)
     args = example_inputs(spec, dev)
     with torch.no_grad():
         ep = torch.export.export(entry_module(model, spec.kind), args, dynamic_shapes=dynamic_shapes(spec),
                                  strict=False)
-        ep = ep.run_decompositions(decompositions(dev.type))
+        ep = ep.run_decompositions(decompositions(dev.type, kernels))
     return ep, check_lowered(ep, dev.type)

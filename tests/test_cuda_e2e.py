@@ -8,13 +8,15 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 PROMPTS = [[1, 2, 3], list(b"Colours of the rainbow: red, orange,")]
 
 
-@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+@pytest.fixture(scope="module", params=[("bfloat16", "auto"), ("bfloat16", "reference"), ("float32", "reference")],
+                ids=lambda p: "-".join(p))
 def cuda_artifact(request, tmp_path_factory):
     from onegraph.export.pipeline import ExportOptions, export
-    out = tmp_path_factory.mktemp("cuda") / request.param
-    export("tiny", out, ExportOptions(device="cuda", dtype=request.param, batch_sizes=(1, 4), prefill_chunks=(16,),
-                                      max_seq_len=256), progress=False)
-    return request.param, out
+    dtype, kernels = request.param
+    out = tmp_path_factory.mktemp("cuda") / f"{dtype}-{kernels}"
+    export("tiny", out, ExportOptions(device="cuda", dtype=dtype, batch_sizes=(1, 4), prefill_chunks=(16,),
+                                      max_seq_len=256, kernels=kernels), progress=False)
+    return dtype, out
 
 
 def test_cuda_artifact_matches_eager(cuda_artifact):
