@@ -1,0 +1,137 @@
+"""The `onegraph` command line, run as a subprocess (`python -m onegraph ...`), checked against
+`generate_eager` in-process and against the CLI's error contract (non-zero exit, one stderr line,
+no traceback).
+
+The subprocesses are independent, so they all start in one module fixture, two at a time (this
+machine has two cores), and each test reads its result.
+"""
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from onegraph.graphs.eager import SamplingParams, generate_eager
+from onegraph.graphs.load import load_model
+from onegraph.graphs.tiny import TINY_HF_CONFIG, write_tiny
+
+TIMEOUT = 120
+# one intra-op thread in the subprocesses and in-process alike: the same arithmetic on both sides of
+# each comparison, and no thread thrash on a shared 2-core machine
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def onegraph(*args):
+    return subprocess.run([sys.executable, "-m", "onegraph", *map(str, args)], capture_output=True, text=True,
+                          timeout=TIMEOUT, env=ENV)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    llama = write_tiny(root / "llama")
+    (llama / "config.json").write_text(json.dumps(dict(TINY_HF_CONFIG, model_type="llama")))
+    return {"root": root, "llama": llama, "init": root / "init"}
+
+
+@pytest.fixture(scope="module")
+def runs(dirs):
+    gen = ["generate", "tiny", "--eager", "--json"]
+    jobs = {
+        "ids": ["generate", "tiny", "--eager", "--prompt-ids", "1,2,3", "--max-new-tokens", 8, "--json"],
+        "prompt": [*gen, "--prompt", "Hi", "--max-new-tokens", 6],
+        "sampled": [*gen, "--prompt-ids", "9,8,7", "--max-new-tokens", 12,
+                    "--temperature", "0.9", "--seed", 5, "--ignore-eos"],
+        "err_missing_dir": ["generate", dirs["root"] / "does-not-exist", "--eager", "--prompt-ids", "1,2"],
+        "err_bad_ids": ["generate", "tiny", "--eager", "--prompt-ids", "1,x"],
+        "err_oov": ["generate", "tiny", "--eager", "--prompt-ids", f"1,{TINY_HF_CONFIG['vocab_size']}"],
+        "err_llama": ["generate", dirs["llama"], "--eager", "--prompt-ids", "1,2"],
+        "err_max_new": ["generate", "tiny", "--eager", "--prompt-ids", "1,2", "--max-new-tokens", 0],
+    }
+
+    def init_then_generate():
+        init = onegraph("init-tiny", dirs["init"])
+        return init, onegraph("generate", dirs["init"], "--eager", "--prompt-ids", "1,2,3",
+                              "--max-new-tokens", 8, "--json")
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        chained = pool.submit(init_then_generate)
+        futures = {name: pool.submit(onegraph, *args) for name, args in jobs.items()}
+        out = {name: f.result() for name, f in futures.items()}
+        out["init"], out["init_generate"] = chained.result()
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    cfg, model, path = load_model("tiny", "float32")
+    return cfg, model, path
+
+
+def last_json(proc):
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr}"
+    assert "Traceback" not in proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_generate_prompt_ids_matches_in_process(runs, tiny_model):
+    cfg, model, _ = tiny_model
+    res = last_json(runs["ids"])
+    ref = generate_eager(model, [1, 2, 3], 8, stop_ids=cfg.eos_token_ids)
+    assert len(res["token_ids"]) == 8
+    assert res["token_ids"] == ref.token_ids
+    assert res["prompt_ids"] == [1, 2, 3]
+    assert res["finish_reason"] == ref.finish_reason
+
+
+def test_generate_sampled_matches_in_process(runs, tiny_model):
+    _, model, _ = tiny_model
+    res = last_json(runs["sampled"])
+    ref = generate_eager(model, [9, 8, 7], 12, SamplingParams(temperature=0.9, seed=5))
+    assert res["token_ids"] == ref.token_ids
+    assert res["token_ids"] != generate_eager(model, [9, 8, 7], 12).token_ids   # really sampled
+
+
+def test_generate_text_prompt(runs, tiny_model):
+    cfg, model, path = tiny_model
+    res = last_json(runs["prompt"])
+    assert res["prompt_ids"] == list(b"Hi")          # the tiny tokenizer is byte-level: byte b is id b
+    ref = generate_eager(model, list(b"Hi"), 6, stop_ids=cfg.eos_token_ids)
+    assert res["token_ids"] == ref.token_ids
+    assert isinstance(res["text"], str)
+    from tokenizers import Tokenizer
+    assert res["text"] == Tokenizer.from_file(str(path / "tokenizer.json")).decode(ref.token_ids)
+
+
+def test_init_tiny_then_generate_matches_builtin(runs, dirs):
+    assert runs["init"].returncode == 0, runs["init"].stderr
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (dirs["init"] / f).is_file(), f
+    assert last_json(runs["init_generate"])["token_ids"] == last_json(runs["ids"])["token_ids"]
+
+
+@pytest.mark.parametrize("name,needle", [
+    ("err_missing_dir", "does-not-exist"),
+    ("err_bad_ids", "1,x"),
+    ("err_oov", str(TINY_HF_CONFIG["vocab_size"])),
+    ("err_llama", "model_type"),
+    ("err_max_new", "max-new-tokens"),
+])
+def test_user_errors_are_one_line(runs, name, needle):
+    p = runs[name]
+    assert p.returncode != 0, f"{name}: exit 0, stdout {p.stdout!r}"
+    assert "Traceback" not in p.stderr, f"{name}: traceback on stderr:\n{p.stderr}"
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, f"{name}: expected one stderr line, got {lines}"
+    assert needle in lines[0], f"{name}: {needle!r} not in {lines[0]!r}"
