@@ -25,10 +25,10 @@ def _validate(x, conv_state, slot, n_valid, weight):
 
 
 def reference_causal_conv_prefill(x, conv_state, slot, n_valid, weight):
-    T, W = x.shape[0], weight.shape[1]
+    W = weight.shape[1]
     seq = torch.cat([conv_state.index_select(0, slot)[0], x.t().to(conv_state.dtype)], dim=-1)  # [C, W-1+T]
     y = F.conv1d(seq[None].to(weight.dtype), weight[:, None, :], groups=weight.shape[0])[0]  # [C, T]
-    y = F.silu(y).t().to(x.dtype)
+    y = F.silu(y).t().to(x.dtype).contiguous()
     # the last W-1 valid inputs sit at seq positions n_valid .. n_valid + W - 2
     idx = (n_valid + torch.arange(W - 1, device=x.device))[None, :].expand(seq.shape[0], W - 1)
     return y, torch.gather(seq, 1, idx)[None]

@@ -26,7 +26,7 @@ def _validate(x, conv_state, slots, weight):
 def reference_causal_conv_update(x, conv_state, slots, weight):
     window = torch.cat([conv_state.index_select(0, slots), x[:, :, None].to(conv_state.dtype)], dim=-1)
     y = F.silu((window.to(weight.dtype) * weight[None]).sum(-1))             # [B, C]
-    return y.to(x.dtype), window[:, :, 1:]
+    return y.to(x.dtype), window[:, :, 1:].contiguous()          # contiguous, as the fake says
 
 
 def _fake(x, conv_state, slots, weight):

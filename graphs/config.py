@@ -46,26 +46,31 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        def need(cond, field, why):
+        def need(cond, field, why, value):
+            # `field` is the name the user wrote (the HF config key where it differs from ours)
             if not cond:
-                raise ValueError(f"config field {field!r}: {why} (got {getattr(self, field)!r})")
+                raise ValueError(f"config field {field!r}: {why} (got {value!r})")
         for f in ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "conv_kernel",
                   "linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim"):
-            need(isinstance(getattr(self, f), int) and getattr(self, f) > 0, f, "must be a positive int")
-        need(len(self.layer_types) > 0, "layer_types", "needs at least one layer")
-        need(all(t in LAYER_KINDS for t in self.layer_types), "layer_types", f"entries must be in {LAYER_KINDS}")
-        need(self.num_heads % self.num_kv_heads == 0, "num_key_value_heads", "must divide num_attention_heads")
+            v = getattr(self, f)
+            need(isinstance(v, int) and v > 0, f, "must be a positive int", v)
+        need(len(self.layer_types) > 0, "layer_types", "needs at least one layer", self.layer_types)
+        need(all(t in LAYER_KINDS for t in self.layer_types), "layer_types", f"entries must be in {LAYER_KINDS}",
+             self.layer_types)
+        need(self.num_heads % self.num_kv_heads == 0, "num_key_value_heads", "must divide num_attention_heads",
+             self.num_kv_heads)
         need(self.linear_v_heads % self.linear_k_heads == 0, "linear_num_value_heads",
-             "must be a multiple of linear_num_key_heads")
+             "must be a multiple of linear_num_key_heads", self.linear_v_heads)
         need(0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0, "rotary_dim",
-             "partial rotary dims must be even and within head_dim")
-        need(self.conv_kernel >= 2, "conv_kernel", "causal conv kernel must be >= 2")
+             "partial rotary dims must be even and within head_dim", self.rotary_dim)
+        need(self.conv_kernel >= 2, "conv_kernel", "causal conv kernel must be >= 2", self.conv_kernel)
         if self.num_experts:
-            need(0 < self.top_k <= self.num_experts, "num_experts_per_tok", "must be in 1..num_experts")
-            need(self.moe_intermediate > 0, "moe_intermediate_size", "must be positive")
+            need(0 < self.top_k <= self.num_experts, "num_experts_per_tok", "must be in 1..num_experts", self.top_k)
+            need(self.moe_intermediate > 0, "moe_intermediate_size", "must be positive", self.moe_intermediate)
         else:
-            need(self.intermediate_size > 0, "intermediate_size", "dense MLP needs a positive size")
-        need(self.rms_norm_eps > 0, "rms_norm_eps", "must be positive")
+            need(self.intermediate_size > 0, "intermediate_size", "dense MLP needs a positive size",
+                 self.intermediate_size)
+        need(self.rms_norm_eps > 0, "rms_norm_eps", "must be positive", self.rms_norm_eps)
 
     # ---- derived, cheap ----
     @property
@@ -133,6 +138,10 @@ class ModelConfig:
         theta = float(rope.get("rope_theta", text.get("rope_theta", 10000.0)))
         factor = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
         n_heads = int(text.get("num_attention_heads", 16))
+        if n_heads <= 0:
+            raise ValueError(f"config field 'num_attention_heads': must be positive (got {n_heads})")
+        if not text.get("head_dim") and "hidden_size" not in text:
+            raise ValueError("config field 'hidden_size': needed to derive head_dim (neither is set)")
         head_dim = int(text.get("head_dim") or text["hidden_size"] // n_heads)
         eos = text.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)

@@ -82,6 +82,10 @@ def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             for part in ("gate", "up", "down"):
                 if part not in experts.get(e, {}):
                     raise LoadError(f"missing tensor {prefix}.{e}.{part}_proj.weight")
+                want, got = tuple(experts[0][part].shape), tuple(experts[e][part].shape)
+                if got != want:
+                    raise LoadError(f"shape mismatch for {prefix}.{e}.{part}_proj.weight: checkpoint {list(got)}, "
+                                    f"expert 0 has {list(want)}")
         out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([experts[e]["gate"], experts[e]["up"]]) for e in range(n)])
         out[f"{prefix}.down_proj"] = torch.stack([experts[e]["down"] for e in range(n)])
     return out

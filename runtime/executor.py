@@ -33,7 +33,7 @@ class AotiGraph:
     def __init__(self, path: Path, weights: dict[str, torch.Tensor], device: torch.device):
         from torch._inductor import aoti_load_package
         try:
-            self.runner = aoti_load_package(str(path), device_index=device.index if device.type == "cuda" else -1,
+            self.runner = aoti_load_package(str(path), device_index=-1 if device.index is None else device.index,
                                             run_single_threaded=device.type == "cuda")
         except Exception as e:
             raise ArtifactError(f"cannot load graph {path.name}: {e}") from None

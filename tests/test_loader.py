@@ -93,10 +93,6 @@ def test_wrong_shape_names_key_and_both_shapes(tmp_path, tiny_tensors, key, bad_
     assert str(list(bad_shape)) in msg and str(want) in msg, f"both shapes not named: {msg}"
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "BUG weights.fuse_experts: a per-expert tensor of the wrong shape reaches torch.cat/torch.stack and "
-    "raises a bare RuntimeError ('stack expects each tensor to be equal size') that names neither the "
-    "key nor the shapes (and the CLI prints a traceback)"))
 def test_wrong_shape_per_expert_tensor_names_key(tmp_path, tiny_tensors):
     t = dict(tiny_tensors)
     t["model.layers.1.mlp.experts.5.gate_proj.weight"] = torch.zeros(31, 64)     # [I, H] = [32, 64] expected
@@ -222,21 +218,14 @@ def hf_cfg(**over):
     return c
 
 
-# BUG config.ModelConfig.__post_init__: `need()` formats `getattr(self, field)` with the *HF* field
-# name it reports; for checks named after a field the dataclass lacks (num_key_value_heads,
-# linear_num_value_heads, num_experts_per_tok, moe_intermediate_size) that getattr raises
-# AttributeError, so the user gets AttributeError (a traceback from the CLI) instead of ValueError.
-NEED_GETATTR_BUG = pytest.mark.xfail(strict=True, raises=AttributeError,
-                                     reason="BUG config.__post_init__ need(): getattr(self, <HF field name>)")
 
 
 @pytest.mark.parametrize("over,field", [
-    pytest.param(dict(num_attention_heads=4, num_key_value_heads=3), "num_key_value_heads", marks=NEED_GETATTR_BUG),
-    pytest.param(dict(linear_num_key_heads=3, linear_num_value_heads=4), "linear_num_value_heads",
-                 marks=NEED_GETATTR_BUG),
-    pytest.param(dict(num_experts_per_tok=9), "num_experts_per_tok", marks=NEED_GETATTR_BUG),
-    pytest.param(dict(num_experts_per_tok=0), "num_experts_per_tok", marks=NEED_GETATTR_BUG),
-    pytest.param(dict(moe_intermediate_size=0), "moe_intermediate_size", marks=NEED_GETATTR_BUG),
+    (dict(num_attention_heads=4, num_key_value_heads=3), "num_key_value_heads"),
+    (dict(linear_num_key_heads=3, linear_num_value_heads=4), "linear_num_value_heads"),
+    (dict(num_experts_per_tok=9), "num_experts_per_tok"),
+    (dict(num_experts_per_tok=0), "num_experts_per_tok"),
+    (dict(moe_intermediate_size=0), "moe_intermediate_size"),
     (dict(num_hidden_layers=5), "layer_types"),
     (dict(layer_types=["linear_attention", "mamba", "linear_attention", "full_attention"]), "layer_types"),
     (dict(hidden_act="gelu"), "hidden_act"),
@@ -274,10 +263,6 @@ def test_config_derived_fields():
     assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
 
 
-@pytest.mark.xfail(strict=True, raises=(KeyError, ZeroDivisionError), reason=(
-    "BUG config.from_hf: without head_dim, `text['hidden_size'] // n_heads` raises KeyError for a "
-    "missing hidden_size (other fields default) and ZeroDivisionError for num_attention_heads=0, "
-    "instead of ValueError naming the field (the CLI then prints a traceback)"))
 @pytest.mark.parametrize("drop,over,field", [("hidden_size", {}, "hidden_size"),
                                              (None, dict(num_attention_heads=0), "num_attention_heads|num_heads")])
 def test_config_without_head_dim_names_the_field(drop, over, field):

@@ -15,7 +15,6 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.testing._internal.optests.generate_tests import OpCheckError
 
 from onegraph.custom_ops import REGISTRY
 from onegraph.custom_ops.gdn_prefill import unit_lower_inverse
@@ -137,22 +136,10 @@ def test_every_registered_op_has_a_case():
     assert set(REGISTRY) <= set(CASES), f"ops without test inputs: {sorted(set(REGISTRY) - set(CASES))}"
 
 
-# BUG (fake vs real metadata): these references return non-contiguous outputs while their fakes
-# return contiguous ones, so export traces with strides the real kernel does not produce.
-#   causal_conv_prefill y: `F.silu(y).t()` is a transposed view (strides (1, T)); fake is (C, 1).
-#   causal_conv_update new rows: `window[:, :, 1:]` is a view at storage offset 1, strides (C*W, W, 1).
-#   gdn_decode_step new_conv: the same view, via reference_causal_conv_update.
-# Fix: `.contiguous()` on those outputs in the references.
-FAKE_STRIDE_BUG = {
-    "causal_conv_prefill": "BUG reference y is a transposed view (strides (1, T)); fake is contiguous",
-    "causal_conv_update": "BUG reference new_state_rows is window[:, :, 1:] (offset 1); fake is contiguous",
-    "gdn_decode_step": "BUG new_conv_rows is window[:, :, 1:] via reference_causal_conv_update; fake is contiguous",
-}
+# (fake and real outputs must agree on strides too: the references return contiguous tensors)
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, raises=OpCheckError, reason=FAKE_STRIDE_BUG[n]))
-    if n in FAKE_STRIDE_BUG else n for n in sorted(CASES)])
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_opcheck(name):
     spec = REGISTRY[name]
     torch.library.opcheck(spec.op, tuple(op_args(name)), test_utils=("test_schema", "test_faketensor"))

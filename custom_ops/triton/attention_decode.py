@@ -76,7 +76,7 @@ def _attn_split_kernel(q, k_cache, v_cache, slots, positions, o_part, m_part, l_
         kt = tl.load(k_base + offs_n[:, None] * s_k_t + offs_d[None, :] * s_k_d, mask=m2, other=0.0)
         vt = tl.load(v_base + offs_n[:, None] * s_v_t + offs_d[None, :] * s_v_d, mask=m2, other=0.0)
         s = _dot(qt, tl.trans(kt.to(tl.float32)), IEEE)                      # [BG, BN] fp32
-        s = rnd(rnd(s, DT) * scale, DT)                                      # (q k^T) * scale in q.dtype
+        s = rnd(rnd(s, DT) * tl.cast(scale, tl.float32), DT)                                      # (q k^T) * scale in q.dtype
         s = tl.where(mn[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)

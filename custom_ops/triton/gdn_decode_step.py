@@ -78,7 +78,7 @@ def _gdn_decode_kernel(
                    HK * K + hk * K + offs_k, mk, write_qk, W, WP, XDT)
     v = _conv_silu(x_row, s_qkv_c, cs_row, s_cs_c, s_cs_w, conv_w, s_w_c, s_w_w, nc_row, s_nc_c, s_nc_w,
                    2 * HK * K + i_h * V + offs_v, mv, i_v >= 0, W, WP, XDT)   # every program stores its v
-    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale              # [BK]
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * tl.cast(q_scale, tl.float32)              # [BK]
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
 
     # gates (fp32): g = -exp(A_log) * softplus(a + dt_bias); beta = sigmoid(b) rounded like b.sigmoid()

@@ -33,7 +33,7 @@ def _rms_norm_kernel(x, res, w, y, s_out, sx_r, sx_n, sr_r, sr_n, sy_r, N, eps,
         v = to_dt(rv.to(tl.float32) + v.to(tl.float32), x.dtype.element_ty)
         tl.store(s_out + r * sy_r + offs, v, mask=m)
     xf = v.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + tl.cast(eps, tl.float32))   # AOTI passes floats as fp64
     wf = tl.load(w + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(y + r * sy_r + offs, to_dt(xf * inv * (1.0 + wf), y.dtype.element_ty), mask=m)
 
@@ -45,7 +45,7 @@ def _gated_rms_norm_kernel(x, z, w, y, sx_r, sx_n, sz_r, sz_n, sy_r, N, eps,
     offs = tl.arange(0, BN)
     m = offs < N
     xf = tl.load(x + r * sx_r + offs * sx_n, mask=m, other=0.0).to(tl.float32)
-    inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + tl.cast(eps, tl.float32))   # AOTI passes floats as fp64
     yv = rnd(xf * inv, x.dtype.element_ty)                                  # norm(x).to(dtype)
     yv = tl.load(w + offs, mask=m, other=0.0).to(tl.float32) * yv          # weight * that, in
     if ROUND_MID:                                                           # promote(w, x) = x.dtype
