@@ -123,3 +123,38 @@ def write_tiny(out_dir: str | Path, seed: int = 0) -> Path:
         "chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "pad_token": "<|pad|>",
         "bos_token": None, "model_max_length": TINY_HF_CONFIG["max_position_embeddings"]}, indent=2))
     return out
+
+
+# The Qwen3.5-35B-A3B text shape (transformers Qwen3_5MoeTextConfig defaults; FACTS.md), for benchmarks
+# with seeded random weights built on the device — never shipped, never downloaded.
+QWEN35_35B_A3B_HF_CONFIG = {
+    "model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
+    "full_attention_interval": 4, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "num_experts": 256, "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "hidden_act": "silu",
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+}
+
+
+@torch.no_grad()
+def random_model(cfg, dtype: torch.dtype, device, seed: int = 0):
+    """A Qwen35Model built on `device` (meta -> to_empty -> seeded init), same scales as the tiny
+    weights; for benchmarking shapes whose weights cannot be shipped."""
+    from .qwen3_5 import Qwen35Model
+    with torch.device("meta"):
+        model = Qwen35Model(cfg).to(dtype)              # allocate in the target dtype directly (35B: 69 GB)
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("A_log"):
+            p.copy_(torch.empty(p.shape, device=device).uniform_(1.0, 16.0, generator=gen).log())
+        elif name.endswith("dt_bias"):
+            p.uniform_(-1.0, 1.0, generator=gen)
+        elif p.dim() == 1:
+            p.normal_(0.0, 0.1, generator=gen)
+        else:
+            p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+    model.inv_freq = Qwen35Model.rope_inv_freq(cfg).to(device)   # the rope table stays fp32
+    return model.eval()

@@ -19,7 +19,7 @@ import asyncio
 import collections
 import dataclasses
 import itertools
-import queue
+import logging
 import random
 import threading
 import time
@@ -27,6 +27,8 @@ import time
 import torch
 
 from .executor import GraphExecutor, Sampling  # noqa: F401  (Sampling re-exported)
+
+log = logging.getLogger("onegraph.runtime")
 
 
 class QueueFull(RuntimeError):
@@ -87,12 +89,15 @@ class Engine:
 
     @classmethod
     def from_artifact(cls, path, max_slots: int = 4, max_queue: int = 64, device: str | None = None,
-                      check_parity: bool = True) -> "Engine":
-        return cls(GraphExecutor.from_artifact(path, max_slots=max_slots, device=device,
-                                               check_parity=check_parity), max_queue)
+                      check_parity: bool = True, cuda_graphs: bool = True) -> "Engine":
+        ex = GraphExecutor.from_artifact(path, max_slots=max_slots, device=device, check_parity=check_parity,
+                                         cuda_graphs=cuda_graphs)
+        log.info("onegraph engine: %s, %d slots, decode buckets %s, prefill chunks %s", ex.path, max_slots,
+                 ex.decode_buckets, ex.prefill_buckets)
+        return cls(ex, max_queue)
 
     # ---------------- caller side ----------------
-    def _validate(self, prompt_ids, max_new_tokens, temperature, top_k, top_p) -> list[int]:
+    def _validate(self, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed=None) -> list[int]:
         ids = [int(i) for i in prompt_ids]
         if not ids:
             raise ValueError("prompt is empty: at least one token id is needed")
@@ -104,20 +109,23 @@ class Engine:
         if len(ids) + max_new_tokens > self.ex.max_seq_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                              f"artifact's max_seq_len {self.ex.max_seq_len}")
-        if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-            raise ValueError("need temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
+        if not (temperature >= 0 and 0 <= top_k < 2**31 and 0 < top_p <= 1):   # also rejects NaN
+            raise ValueError("need temperature >= 0, 0 <= top_k < 2^31 and 0 < top_p <= 1")
+        if seed is not None and not -2**63 <= int(seed) < 2**63:
+            raise ValueError(f"seed must fit in int64, got {seed}")
         return ids
 
     def submit(self, prompt_ids, emit, max_new_tokens=16, temperature=0.0, top_k=0, top_p=1.0, seed=None,
                stop_ids=()) -> int:
-        ids = self._validate(prompt_ids, max_new_tokens, temperature, top_k, top_p)
+        ids = self._validate(prompt_ids, max_new_tokens, temperature, top_k, top_p, seed)
         seed = random.getrandbits(63) if seed is None else int(seed)
         req = Request(next(self.ids), ids, int(max_new_tokens), Sampling(float(temperature), int(top_k),
                       float(top_p), seed), frozenset(int(s) for s in stop_ids), emit)
         with self.cv:
             if self.closed or self.error:
                 raise RuntimeError(f"engine is not running ({self.error or 'closed'})")
-            if len(self.waiting) >= self.max_queue:
+            # a request that a free slot will take at once never counts against the queue bound
+            if len(self.waiting) >= self.max_queue + len(self.free):
                 self.counters["rejected_queue_full"] += 1
                 raise QueueFull(f"{len(self.waiting)} requests already waiting (max_queue={self.max_queue})")
             self.waiting.append(req)
@@ -141,9 +149,10 @@ class Engine:
             raise TimeoutError("generation did not finish in time")
         return Result(out, fin[0], {"total_ms": (time.perf_counter() - t0) * 1e3, **self.stats()["step_us"]})
 
-    async def stream(self, prompt_ids, max_new_tokens=16, temperature=0.0, top_k=0, top_p=1.0, seed=None,
-                     stop_ids=(), request_id: list | None = None):
-        """Async iterator of Events; the last one has token_id None and a finish_reason.
+    def stream(self, prompt_ids, max_new_tokens=16, temperature=0.0, top_k=0, top_p=1.0, seed=None,
+               stop_ids=(), request_id: list | None = None):
+        """Submit now (ValueError / QueueFull raise here, before any event) and return an async iterator
+        of Events; the last one has token_id None and a finish_reason. Call from a running event loop.
         `request_id`, if given a list, receives the id (for cancel())."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
@@ -151,6 +160,9 @@ class Engine:
                           temperature, top_k, top_p, seed, stop_ids)
         if request_id is not None:
             request_id.append(rid)
+        return self._events(q, rid)
+
+    async def _events(self, q: asyncio.Queue, rid: int):
         try:
             while True:
                 ev = await q.get()
@@ -172,7 +184,7 @@ class Engine:
     def stats(self) -> dict:
         with self.cv:
             steps = max(1, self.counters["decode_steps"])
-            return {"active_slots": len(self.active), "free_slots": len(self.free), "queue_depth": len(self.waiting),
+            return {"path": self.ex.path, "active_slots": len(self.active), "free_slots": len(self.free), "queue_depth": len(self.waiting),
                     "max_slots": self.ex.max_slots, "counters": dict(self.counters),
                     "step_us": {k: v / steps for k, v in self.step_us.items()},
                     "error": repr(self.error) if self.error else None}

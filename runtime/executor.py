@@ -43,6 +43,7 @@ class AotiGraph:
             raise ArtifactError(f"graph {path.name} needs weights missing from the artifact: {missing[:3]}")
         self.runner.load_constants({f: weights[f] for f in fqns}, check_full_update=True, user_managed=True)
         self.run = self.runner.loader.run          # list[Tensor] -> list[Tensor], no pytree overhead
+        self.run_with_stream = self.runner.loader.run   # (inputs, stream capsule): for CUDA-graph capture
 
 
 class GraphExecutor:
@@ -53,6 +54,8 @@ class GraphExecutor:
         self.scratch = max_slots
         self.state = [torch.zeros([max_slots + 1 if s == "S" else s for s in t["shape"]], dtype=DTYPES[t["dtype"]],
                                   device=device) for t in state_meta]
+        self.captured: dict = {}                   # decode bucket -> CapturedDecode (CUDA graphs)
+        self.path = "eager"                        # reported at start-up and in stats()
         self.decode_buckets = sorted(g["bucket"] for g in graph_meta.values() if g["kind"] == "decode")
         self.prefill_buckets = sorted(g["bucket"] for g in graph_meta.values() if g["kind"] == "prefill")
         if not self.decode_buckets or not self.prefill_buckets:
@@ -61,8 +64,9 @@ class GraphExecutor:
     # ---- construction ----
     @classmethod
     def from_artifact(cls, path: str | Path, max_slots: int = 4, device: str | None = None,
-                      check_parity: bool = True) -> "GraphExecutor":
-        """Load and verify an artifact; the parity fixture is replayed unless check_parity=False."""
+                      check_parity: bool = True, cuda_graphs: bool = True) -> "GraphExecutor":
+        """Load and verify an artifact; the parity fixture is replayed unless check_parity=False.
+        On CUDA, each decode bucket is captured as a CUDA graph unless cuda_graphs=False."""
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
         m = load_manifest(path, device)
@@ -70,12 +74,20 @@ class GraphExecutor:
         if m["backend"] != "aoti":
             from .onnx_graph import onnx_graphs   # the onnxruntime backend
             graphs = onnx_graphs(m)
+            loaded = {}
         else:
             weights = load_weights(m, dev)
-            graphs = {name: AotiGraph(Path(m["_root"]) / g["file"], weights, dev).run
-                      for name, g in m["graphs"].items()}
+            loaded = {name: AotiGraph(Path(m["_root"]) / g["file"], weights, dev) for name, g in m["graphs"].items()}
+            graphs = {name: g.run for name, g in loaded.items()}
         ex = cls(graphs, m["graphs"], m["state"], max_slots, m["max_seq_len"], m["model"]["vocab_size"], dev)
         ex.manifest = m
+        ex.path = "aoti-cpu" if dev.type == "cpu" else f"{m['backend']}-{dev.type}"
+        if cuda_graphs and dev.type == "cuda" and loaded:
+            from .cuda_graphs import CapturedDecode
+            ex.captured = {g["bucket"]: CapturedDecode(loaded[name].run_with_stream, g["bucket"], ex.state,
+                                                       ex.scratch, dev)
+                           for name, g in m["graphs"].items() if g["kind"] == "decode"}
+            ex.path += "+cudagraphs"
         ex.fixture_report = None
         if check_parity:
             from .fixture import check_fixture
@@ -147,6 +159,8 @@ class GraphExecutor:
         """As decode, with tokens/slots already on the device (the engine never round-trips ids)."""
         n = tokens.shape[0]
         B = self.decode_bucket(n)
+        if B in self.captured:
+            return self.captured[B].step(tokens, slots, positions, sampling, self.scratch)
         pad = B - n
         d = self.device
         if pad:

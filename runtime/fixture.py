@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from .artifact import ArtifactError
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.25, "float16": 0.1}

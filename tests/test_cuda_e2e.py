@@ -24,14 +24,17 @@ def test_cuda_artifact_matches_eager(cuda_artifact):
     from onegraph.graphs.load import load_model
     from onegraph.runtime import Engine
     dtype, path = cuda_artifact
-    eng = Engine.from_artifact(path, max_slots=2, device="cuda")
     _, model, _ = load_model("tiny", dtype, "cuda")
-    try:
-        for p in PROMPTS:
-            got = eng.generate(p, 64).token_ids
-            ref = generate_eager(model, p, 64, max_seq_len=256)
-            diff = next((i for i, (a, b) in enumerate(zip(got, ref.token_ids)) if a != b), None)
-            assert diff is None, f"{dtype}: first differing token at step {diff}: {got[diff]} vs {ref.token_ids[diff]}"
-        assert eng.ex.fixture_report["max_logit_diff"] <= (1e-4 if dtype == "float32" else 0.25)
-    finally:
-        eng.close()
+    for cuda_graphs in (True, False):
+        eng = Engine.from_artifact(path, max_slots=2, device="cuda", cuda_graphs=cuda_graphs)
+        try:
+            assert eng.ex.path.endswith("+cudagraphs") == cuda_graphs
+            for p in PROMPTS:
+                got = eng.generate(p, 64).token_ids
+                ref = generate_eager(model, p, 64, max_seq_len=256)
+                diff = next((i for i, (a, b) in enumerate(zip(got, ref.token_ids)) if a != b), None)
+                assert diff is None, (f"{dtype} cuda_graphs={cuda_graphs}: first differing token at step {diff}: "
+                                      f"{got[diff]} vs {ref.token_ids[diff]}")
+            assert eng.ex.fixture_report["max_logit_diff"] <= (1e-4 if dtype == "float32" else 0.25)
+        finally:
+            eng.close()

@@ -240,9 +240,11 @@ def test_api_key_401(engine):
 
 
 def test_queue_full_503(engine):
-    # a second Engine over the same executor with no queue: every submit is refused before it
-    # reaches the engine thread, so it never touches the shared executor
+    # a second Engine over the same executor, no queue and every slot taken: every submit is refused
+    # before it reaches the engine thread, so it never touches the shared executor
     full = Engine(engine.ex, max_queue=0)
+    with full.cv:
+        full.free.clear()
     try:
         with running(create_app(full, MODEL)) as url:
             r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": MSGS, "stream": True})
