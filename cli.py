@@ -78,7 +78,8 @@ def cmd_export(args) -> int:
     opts = ExportOptions(device=args.device, dtype=args.dtype, backend=args.backend,
                          batch_sizes=parse_buckets(args.batch_sizes, "--batch-sizes"),
                          prefill_chunks=parse_buckets(args.prefill_chunks, "--prefill-chunks"),
-                         max_seq_len=args.max_seq_len, tp=args.tp, kernels=args.kernels)
+                         max_seq_len=args.max_seq_len, tp=args.tp, kernels=args.kernels,
+                         eager_rounding=not args.fused_rounding)
     print(summary_text(export(args.model, args.out, opts, progress=not args.quiet)))
     return 0
 
@@ -230,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--kernels", default="auto", choices=["auto", "reference"],
                    help="auto: hand-written Triton kernels on CUDA; reference: Inductor-generated from the references")
+    p.add_argument("--fused-rounding", action="store_true",
+                   help="let fused kernels keep fp32 intermediates (faster, no longer bit-close to eager in bf16)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(fn=cmd_export)
 

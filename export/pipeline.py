@@ -41,6 +41,7 @@ class ExportOptions:
     max_seq_len: int = 512
     tp: int = 1
     kernels: str = "auto"                      # auto: hand-written kernels where registered | reference
+    eager_rounding: bool = True                # round intermediates where eager does (bf16/fp16 parity)
 
     def validate(self, max_positions: int) -> None:
         if self.backend not in ("aoti", "onnx"):
@@ -111,7 +112,7 @@ def export(model_spec: str, out_dir: str | Path, opts: ExportOptions, progress: 
         if opts.backend == "aoti":
             from .aoti import lower_aoti
             rel = f"graphs/{spec.name}.pt2"
-            lower_aoti(ep, out / rel)
+            lower_aoti(ep, out / rel, opts.eager_rounding)
         else:
             from .onnx import lower_onnx
             rel = f"graphs/{spec.name}.onnx"

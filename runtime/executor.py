@@ -174,11 +174,12 @@ class GraphExecutor:
                  stop_ids=()):
         """A simple loop (the Engine adds batching and async output) -> (ids, logits per token)."""
         ids, logits = self.prefill(prompt, slot, sampling)
-        out, lg = [int(ids[0])], [logits[0]]
+        # clone: decode outputs may be a captured graph's static buffers, rewritten by the next step
+        out, lg = [int(ids[0])], [logits[0].clone()]
         pos = len(prompt)
         while len(out) < max_new_tokens and out[-1] not in stop_ids:
             ids, logits = self.decode([out[-1]], [slot], [pos], [sampling])
             out.append(int(ids[0]))
-            lg.append(logits[0])
+            lg.append(logits[0].clone())
             pos += 1
         return out, lg

@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     res["trace_s"] = round(time.time() - t, 1)
     res["graph_nodes"] = sum(hist.values())
     t = time.time()
-    pkg = lower_aoti(ep, Path(tempfile.mkdtemp()) / "decode.pt2")
+    pkg = lower_aoti(ep, Path(tempfile.mkdtemp()) / "decode.pt2", eager_rounding=True)
     res["compile_s"] = round(time.time() - t, 1)
     del ep
     weights = {f"model.{n}": p for n, p in model.named_parameters()}
