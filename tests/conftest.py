@@ -42,3 +42,14 @@ def hf_artifact(hf_checkpoint, tmp_path_factory):
     export(str(hf_checkpoint), out, ExportOptions(batch_sizes=(1, 2), prefill_chunks=(16,), max_seq_len=128),
            progress=False)
     return out
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny shapes gain nothing from intra-op threads, and on a shared 2-core machine the thread
+    handoffs of thousands of small ops cost 10x; restored for the modules that follow."""
+    import torch
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

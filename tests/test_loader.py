@@ -19,14 +19,7 @@ from onegraph.graphs.tiny import TINY_HF_CONFIG, write_tiny
 from onegraph.graphs.weights import LoadError
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes gain nothing from intra-op threads, and on a shared 2-core machine the thread
-    handoffs of thousands of small ops cost 10x; restored for the modules that follow."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

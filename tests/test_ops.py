@@ -30,14 +30,7 @@ T = 10                                             # prefill chunk
 E, I, IS, H = 8, 16, 12, 32                        # MoE
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes gain nothing from intra-op threads, and on a shared 2-core machine the thread
-    handoffs of thousands of small ops cost 10x; restored for the modules that follow."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def i64(v):

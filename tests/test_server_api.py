@@ -2,7 +2,6 @@
 Engine, driven by the real `openai` client and raw httpx. Plus a scripted engine (fixed token
 script, same manifest) for tool calls and reasoning, and `onegraph serve` under SIGTERM."""
 import asyncio
-import contextlib
 import json
 import os
 import re
@@ -12,40 +11,20 @@ import subprocess
 import sys
 import threading
 import time
-import types
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from onegraph.runtime import Engine, Event, QueueFull  # noqa: F401
 from onegraph.server.app import create_app
+from server_helpers import running  # noqa: E402
 from onegraph.server.text import TextCodec
 
 MODEL = "tiny-test"
 MSGS = [{"role": "user", "content": "Hello there, who are you?"}]
 
 
-@contextlib.contextmanager
-def running(app):
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    t0 = time.time()
-    while not server.started:
-        assert th.is_alive() and time.time() - t0 < 30, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        th.join(15)
-        sock.close()
 
 
 @pytest.fixture(scope="module")

@@ -1,47 +1,26 @@
 """Hypothesis over request bodies (wrong types, out-of-range and huge values, odd unicode, random
 JSON): the server answers 200 or a 4xx/503 with an OpenAI-shaped error body — never a 500 — and
 /health is OK afterwards."""
-import contextlib
 import json
-import socket
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from onegraph.runtime import Engine
 from onegraph.server.app import create_app
+from server_helpers import running  # noqa: E402
 
 MODEL = "fuzz"
 
 
-@contextlib.contextmanager
-def running(app):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="critical", timeout_graceful_shutdown=5))
-    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    t0 = time.time()
-    while not server.started:
-        assert th.is_alive() and time.time() - t0 < 30
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        th.join(15)
-        sock.close()
 
 
 @pytest.fixture(scope="module")
 def base(tiny_artifact):
     eng = Engine.from_artifact(tiny_artifact, max_slots=4, max_queue=64, check_parity=False)
-    with running(create_app(eng, MODEL)) as url:
+    with running(create_app(eng, MODEL), "critical") as url:
         yield url
     eng.close()
 

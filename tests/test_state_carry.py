@@ -27,14 +27,7 @@ STATE_TOL = 1e-5
 GREEDY = SamplingParams()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes gain nothing from intra-op threads, and on a shared 2-core machine the thread
-    handoffs of thousands of small ops cost 10x; restored for the modules that follow."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
