@@ -57,7 +57,7 @@ def graph_spec(model: Qwen35Model, kind: str, bucket: int, max_seq_len: int, dty
     else:
         head = [("tokens", (bucket,), torch.int64), ("slot", (1,), torch.int64), ("start_pos", (1,), torch.int64),
                 ("n_valid", (1,), torch.int64)] + [(n, (1,), d) for n, d in SAMPLING]
-    state = [(t.name, ("S",) + t.shape[1:], t.dtype) for t in state_spec(model.cfg, 1, max_seq_len, dtype)]
+    state = [(t.name, ("S",) + t.shape[1:], t.dtype) for t in model.state_spec(1, max_seq_len, dtype)]
     return GraphSpec(f"{kind}_{'b' if kind == 'decode' else 't'}{bucket}", kind, bucket, head + state)
 
 

@@ -46,7 +46,7 @@ def generate_eager(model: Qwen35Model, prompt_ids: list[int], max_new_tokens: in
     dev = model.inv_freq.device
     dtype = model.embed_tokens.weight.dtype
     max_seq_len = max_seq_len or len(prompt_ids) + max_new_tokens
-    state = new_state(model.cfg, 1, max_seq_len, dtype, dev)
+    state = new_state(model.cfg, 1, max_seq_len, dtype, dev, model.tp)   # tp > 1: this rank's heads
     slot = i64([0], dev)
     chunk = prefill_chunk or len(prompt_ids)
     for start in range(0, len(prompt_ids), chunk):

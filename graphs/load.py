@@ -8,6 +8,7 @@ import torch
 
 from .config import ModelConfig
 from .qwen3_5 import Qwen35Model
+from .tp import check_divisible, shard_state_dict
 from .weights import load_into
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -32,12 +33,36 @@ def model_dir(spec: str | Path) -> Path:
     return path
 
 
-def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu"):
+def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
+               tp: int = 1, rank: int = 0, group=None):
+    """-> (cfg, model, checkpoint dir). tp > 1: rank `rank`'s shard (graphs/tp.py), whose collectives
+    run over `group` (None: the default process group)."""
     path = model_dir(spec)
     cfg = ModelConfig.from_file(path)
+    if tp != 1:
+        check_divisible(cfg, tp)                     # fail before reading any weights
     with torch.device("meta"):
         model = Qwen35Model(cfg)
     model.to_empty(device="cpu")
     model.inv_freq.copy_(Qwen35Model.rope_inv_freq(cfg))
     load_into(model, path, resolve_dtype(dtype))
+    if tp != 1:
+        model = shard_model(model, rank, tp, group)
     return cfg, model.to(device).eval(), path
+
+
+def shard_model(model: Qwen35Model, rank: int, tp: int, group=None) -> Qwen35Model:
+    """A TP-1 model -> a Qwen35Model(cfg, tp, group) holding rank `rank`'s shard of its weights.
+    (Reads the whole checkpoint first: fine for what fits one host's memory.)"""
+    cfg = model.cfg
+    sd = shard_state_dict({n: p.detach() for n, p in model.named_parameters()}, cfg, rank, tp)
+    with torch.device("meta"):
+        out = Qwen35Model(cfg, tp, group)
+    out.to_empty(device=model.inv_freq.device)
+    out.inv_freq.copy_(model.inv_freq)
+    for name, p in out.named_parameters():
+        t = sd[name]
+        if tuple(t.shape) != tuple(p.shape):
+            raise ValueError(f"tp shard of {name!r} has shape {list(t.shape)}, the rank's model expects {list(p.shape)}")
+        p.data = t.contiguous()
+    return out.eval()

@@ -13,6 +13,10 @@ Contract (ARCHITECTURE.md "Model graph"):
           seed[1], *state) -> (next_id [1] int64, last_logits [1, vocab] fp32)
   Tokens n_valid..T-1 are padding: their KV writes go to the scratch slot and their GDN gates are
   zeroed, so a padded chunk leaves the same state as an exact one.
+- Tensor parallel (graphs/tp.py has the plan): Qwen35Model(cfg, tp, group) holds one rank's shard;
+  head counts, intermediate sizes and the state layout are the rank's (`state_spec(..., tp)`). The
+  token-mixer and MLP outputs are all-reduced and the vocab-sharded logits all-gathered with torch
+  functional collectives, which torch.export keeps as `_c10d_functional` graph nodes. tp=1 adds no op.
 No Python control flow depends on tensor values; no env reads; no device branches.
 """
 from __future__ import annotations
@@ -26,6 +30,7 @@ from torch import nn
 from onegraph import custom_ops  # noqa: F401  (registers torch.ops.onegraph)
 
 from .config import ModelConfig
+from .tp import LocalDims, local_dims
 
 ops = torch.ops.onegraph
 GDN_CHUNK = 64
@@ -38,24 +43,27 @@ class StateTensor:
     dtype: torch.dtype
 
 
-def state_spec(cfg: ModelConfig, slots: int, max_seq_len: int, dtype: torch.dtype) -> list[StateTensor]:
-    """The state layout for `slots` request slots (+1 scratch slot) of up to max_seq_len tokens."""
-    S = slots + 1
+def state_spec(cfg: ModelConfig, slots: int, max_seq_len: int, dtype: torch.dtype, tp: int = 1) -> list[StateTensor]:
+    """The state layout for `slots` request slots (+1 scratch slot) of up to max_seq_len tokens
+    (one rank's heads and channels at tp > 1)."""
+    S, d = slots + 1, local_dims(cfg, tp)
     spec = []
     for i, kind in enumerate(cfg.layer_types):
         if kind == "full_attention":
-            kv = (S, cfg.num_kv_heads, max_seq_len, cfg.head_dim)
+            kv = (S, d.num_kv_heads, max_seq_len, cfg.head_dim)
             spec += [StateTensor(f"layer{i}.k_cache", kv, dtype), StateTensor(f"layer{i}.v_cache", kv, dtype)]
         else:
-            spec += [StateTensor(f"layer{i}.conv", (S, cfg.conv_dim, cfg.conv_kernel - 1), dtype),
-                     StateTensor(f"layer{i}.rec", (S, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim),
+            spec += [StateTensor(f"layer{i}.conv", (S, d.conv_dim, cfg.conv_kernel - 1), dtype),
+                     StateTensor(f"layer{i}.rec", (S, d.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim),
                                  torch.float32)]
     return spec
 
 
-def new_state(cfg: ModelConfig, slots: int, max_seq_len: int, dtype: torch.dtype, device="cpu") -> list[torch.Tensor]:
+def new_state(cfg: ModelConfig, slots: int, max_seq_len: int, dtype: torch.dtype, device="cpu",
+              tp: int = 1) -> list[torch.Tensor]:
     # zeros, never empty: padding rows read the scratch slot and NaN garbage would leak
-    return [torch.zeros(t.shape, dtype=t.dtype, device=device) for t in state_spec(cfg, slots, max_seq_len, dtype)]
+    return [torch.zeros(t.shape, dtype=t.dtype, device=device)
+            for t in state_spec(cfg, slots, max_seq_len, dtype, tp)]
 
 
 def _linear(n_in, n_out, bias=False):
@@ -69,19 +77,19 @@ class RMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, d: LocalDims):
         super().__init__()
-        H, C = cfg.hidden_size, cfg.conv_dim
-        vd = cfg.linear_v_heads * cfg.linear_v_dim
-        self.cfg = cfg
+        H, C = cfg.hidden_size, d.conv_dim
+        vd = d.linear_v_heads * cfg.linear_v_dim
+        self.cfg, self.num_k_heads = cfg, d.linear_k_heads
         self.in_proj_qkv = _linear(H, C)
         self.in_proj_z = _linear(H, vd)
-        self.in_proj_b = _linear(H, cfg.linear_v_heads)
-        self.in_proj_a = _linear(H, cfg.linear_v_heads)
+        self.in_proj_b = _linear(H, d.linear_v_heads)
+        self.in_proj_a = _linear(H, d.linear_v_heads)
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.zeros(C, 1, cfg.conv_kernel))   # HF layout [C, 1, W]
-        self.A_log = nn.Parameter(torch.zeros(cfg.linear_v_heads))
-        self.dt_bias = nn.Parameter(torch.ones(cfg.linear_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(d.linear_v_heads))
+        self.dt_bias = nn.Parameter(torch.ones(d.linear_v_heads))
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(cfg.linear_v_dim))
         self.out_proj = _linear(vd, H)
@@ -97,7 +105,7 @@ class GatedDeltaNet(nn.Module):
         """x [B, H] -> [B, H]; writes this step's conv/rec rows of `slots`."""
         core, new_conv, new_rec = ops.gdn_decode_step(
             self.in_proj_qkv(x), self.in_proj_a(x), self.in_proj_b(x), conv, rec, slots,
-            self.conv1d.weight[:, 0, :], self.A_log, self.dt_bias, self.cfg.linear_k_heads)
+            self.conv1d.weight[:, 0, :], self.A_log, self.dt_bias, self.num_k_heads)
         conv.index_copy_(0, slots, new_conv)
         rec.index_copy_(0, slots, new_rec)
         return self._finish(core, x)
@@ -115,21 +123,21 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).sigmoid().float()
         valid = (torch.arange(x.shape[0], device=x.device) < n_valid)[:, None]
         g, beta = g * valid, beta * valid
-        core, new_rec = ops.gdn_prefill(qkv, g, beta, rec, slot, cfg.linear_k_heads, GDN_CHUNK)
+        core, new_rec = ops.gdn_prefill(qkv, g, beta, rec, slot, self.num_k_heads, GDN_CHUNK)
         conv.index_copy_(0, slot, new_conv)
         rec.index_copy_(0, slot, new_rec)
         return self._finish(core, x)
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, d: LocalDims):
         super().__init__()
         H, D = cfg.hidden_size, cfg.head_dim
-        self.cfg = cfg
-        self.q_proj = _linear(H, cfg.num_heads * D * 2, cfg.attention_bias)    # query ‖ gate per head
-        self.k_proj = _linear(H, cfg.num_kv_heads * D, cfg.attention_bias)
-        self.v_proj = _linear(H, cfg.num_kv_heads * D, cfg.attention_bias)
-        self.o_proj = _linear(cfg.num_heads * D, H, cfg.attention_bias)
+        self.cfg, self.num_heads, self.num_kv_heads = cfg, d.num_heads, d.num_kv_heads
+        self.q_proj = _linear(H, d.num_heads * D * 2, cfg.attention_bias)      # query ‖ gate per head
+        self.k_proj = _linear(H, d.num_kv_heads * D, cfg.attention_bias)
+        self.v_proj = _linear(H, d.num_kv_heads * D, cfg.attention_bias)
+        self.o_proj = _linear(d.num_heads * D, H, cfg.attention_bias)
         self.q_norm = RMSNorm(D)
         self.k_norm = RMSNorm(D)
         self.scale = D ** -0.5
@@ -137,11 +145,11 @@ class GatedAttention(nn.Module):
     def _qkv(self, x, positions, inv_freq):
         """x [N, H] -> q [N, Hq, D], gate [N, Hq*D], k, v [N, KVH, D] (normed, rotated)."""
         cfg, N = self.cfg, x.shape[0]
-        qg = self.q_proj(x).view(N, cfg.num_heads, 2 * cfg.head_dim)
+        qg = self.q_proj(x).view(N, self.num_heads, 2 * cfg.head_dim)
         q, gate = qg[..., : cfg.head_dim], qg[..., cfg.head_dim:].reshape(N, -1)
         q = ops.rms_norm(q, self.q_norm.weight, cfg.rms_norm_eps)
-        k = ops.rms_norm(self.k_proj(x).view(N, cfg.num_kv_heads, cfg.head_dim), self.k_norm.weight, cfg.rms_norm_eps)
-        v = self.v_proj(x).view(N, cfg.num_kv_heads, cfg.head_dim)
+        k = ops.rms_norm(self.k_proj(x).view(N, self.num_kv_heads, cfg.head_dim), self.k_norm.weight, cfg.rms_norm_eps)
+        v = self.v_proj(x).view(N, self.num_kv_heads, cfg.head_dim)
         return ops.rope(q, positions, inv_freq), gate, ops.rope(k, positions, inv_freq), v
 
     def _out(self, o, gate):
@@ -170,9 +178,9 @@ class GatedAttention(nn.Module):
 
 
 class SparseMoe(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, d: LocalDims):
         super().__init__()
-        H, E, I, Is = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate, cfg.shared_intermediate
+        H, E, I, Is = cfg.hidden_size, cfg.num_experts, d.moe_intermediate, d.shared_intermediate
         self.top_k = cfg.top_k
         self.gate = nn.Module()
         self.gate.weight = nn.Parameter(torch.zeros(E, H))
@@ -199,27 +207,30 @@ class DenseMlp(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, kind: str):
+    def __init__(self, cfg: ModelConfig, kind: str, d: LocalDims):
         super().__init__()
         self.kind = kind
         if kind == "linear_attention":
-            self.linear_attn = GatedDeltaNet(cfg)
+            self.linear_attn = GatedDeltaNet(cfg, d)
         else:
-            self.self_attn = GatedAttention(cfg)
-        self.mlp = SparseMoe(cfg) if cfg.is_moe else DenseMlp(cfg.hidden_size, cfg.intermediate_size)
+            self.self_attn = GatedAttention(cfg, d)
+        self.mlp = SparseMoe(cfg, d) if cfg.is_moe else DenseMlp(cfg.hidden_size, d.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size)
 
 
 class Qwen35Model(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: int = 1, group=None):
+        """tp > 1: this rank's shard (load it with graphs/tp.py shard_state_dict); `group` is the
+        tensor-parallel process group (None: the default group)."""
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.tp, self.group = cfg, tp, group
+        d = self.dims = local_dims(cfg, tp)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, kind) for kind in cfg.layer_types)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, kind, d) for kind in cfg.layer_types)
         self.norm = RMSNorm(cfg.hidden_size)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
+        if not cfg.tie_word_embeddings or tp > 1:                       # tp > 1: a vocab shard, even if tied
+            self.lm_head = _linear(cfg.hidden_size, d.vocab)
         self.register_buffer("inv_freq", self.rope_inv_freq(cfg), persistent=False)
 
     @staticmethod
@@ -229,22 +240,43 @@ class Qwen35Model(nn.Module):
 
     @property
     def lm_head_weight(self):
-        return self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        return self.lm_head.weight if hasattr(self, "lm_head") else self.embed_tokens.weight
+
+    def _group(self):
+        import torch.distributed as dist
+        return self.group if self.group is not None else dist.group.WORLD
+
+    def _all_reduce(self, x):
+        """Sum of the ranks' partial outputs (row-parallel projections); identity at tp=1."""
+        if self.tp == 1:
+            return x
+        from torch.distributed import _functional_collectives as funcol
+        return funcol.all_reduce(x, "sum", self._group())
+
+    def state_spec(self, slots: int, max_seq_len: int, dtype: torch.dtype) -> list[StateTensor]:
+        return state_spec(self.cfg, slots, max_seq_len, dtype, self.tp)
 
     def _layers(self, h, state, mixer):
         """Runs every layer; mixer(layer, normed, layer_state) -> token-mixer output. h [N, H]."""
         eps, it = self.cfg.rms_norm_eps, iter(state)
         x = ops.rms_norm(h, self.layers[0].input_layernorm.weight, eps)
         for li, layer in enumerate(self.layers):
-            mixed = mixer(layer, x, (next(it), next(it)))
+            mixed = self._all_reduce(mixer(layer, x, (next(it), next(it))))
             x, h = ops.add_rms_norm(mixed, h, layer.post_attention_layernorm.weight, eps)
-            m = layer.mlp(x)
+            m = self._all_reduce(layer.mlp(x))      # MoE: routed + gated shared, both partial: one reduce
             nxt = self.layers[li + 1].input_layernorm.weight if li + 1 < len(self.layers) else self.norm.weight
             x, h = ops.add_rms_norm(m, h, nxt, eps)
         return x                                                            # final-normed [N, H]
 
     def _logits(self, x):
-        return F.linear(x, self.lm_head_weight).float()                    # [N, vocab] fp32
+        logits = F.linear(x, self.lm_head_weight).float()                  # [N, vocab / tp] fp32
+        if self.tp == 1:
+            return logits
+        from torch.distributed import _functional_collectives as funcol
+        N = x.shape[0]
+        parts = funcol.all_gather_single(logits, 0, self._group())         # [tp * N, vocab / tp], rank-major
+        full = parts.reshape(self.tp, N, -1).permute(1, 0, 2).reshape(N, -1)
+        return full[:, : self.cfg.vocab_size]                              # drop the vocab padding rows
 
     def decode(self, tokens, slots, positions, temperature, top_k, top_p, seed, *state):
         def mixer(layer, x, st):
