@@ -139,6 +139,14 @@ def generate_artifact(args) -> int:
     if not is_artifact(args.model):
         raise UserError(f"{args.model} is not an exported artifact (no manifest.json); export it first with "
                         f"`onegraph export {args.model} --out DIR`, or pass --eager")
+    from onegraph.runtime import tp as tpr
+    if tpr.launched_by_torchrun():     # tensor parallel: rank 0 runs the engine, the others replay its steps
+        from onegraph.runtime.artifact import load_manifest
+        rank, _ = tpr.init_from_torchrun(load_manifest(args.model, args.device)["device"]["type"])
+        if rank > 0:
+            from onegraph.runtime.executor import GraphExecutor
+            GraphExecutor.from_artifact(args.model, max_slots=1, device=args.device).follow()
+            return 0
     engine = Engine.from_artifact(args.model, max_slots=1, device=args.device)
     try:
         cfg = engine.ex.manifest["model"]
@@ -147,6 +155,7 @@ def generate_artifact(args) -> int:
         res = engine.generate(ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, stop)
     finally:
         engine.close()
+        engine.ex.stop_followers()
     emit(args, ids, res.token_ids, res.finish_reason, tok, "artifact",
          {"fixture": engine.ex.fixture_report, "timings": res.timings})
     return 0

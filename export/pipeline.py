@@ -1,6 +1,12 @@
 """`onegraph export`: checkpoint -> artifact, readable as one list of stages.
 
-    load -> shard (tensor parallel: not yet; the seam is `shard`) -> trace -> lower -> package
+    load -> shard (tensor parallel: one model per rank, graphs/tp.py) -> trace -> lower -> package
+
+Tensor parallel (--tp N, AOTInductor): every rank's graphs are traced in this one process under a
+fake N-rank process group (the collectives are graph nodes; nothing is communicated while tracing)
+and written as graphs/rank{r}/<name>.pt2 with weights_rank{r}.safetensors; the manifest's "tp"
+records the plan and the group name the collectives bind to at load (torchrun's default group).
+The parity fixture is recorded from the TP-1 eager model: every TP-N load must reproduce TP-1.
 
 Decode graphs: one per batch bucket. Prefill graphs: one per chunk bucket, not one dynamic-length
 graph, because the chunked GDN scan unrolls over a static number of 64-token chunks; a prompt is
@@ -9,6 +15,7 @@ The slot dimension of the state is dynamic, so the runtime chooses how many slot
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -56,14 +63,37 @@ class ExportOptions:
             raise ValueError(f"--prefill-chunks must be positive integers, got {self.prefill_chunks}")
         if not 1 <= self.max_seq_len <= max_positions:
             raise ValueError(f"--max-seq-len must be in 1..{max_positions} (max_position_embeddings)")
-        if self.tp != 1:
-            raise ValueError("--tp > 1 is not implemented yet (tensor-parallel export is a later issue)")
+        if self.tp < 1:
+            raise ValueError(f"--tp must be >= 1, got {self.tp}")
+        if self.tp > 1 and self.backend != "aoti":
+            raise ValueError("--tp > 1 needs --backend aoti (the ONNX backend has no collectives)")
         resolve_dtype(self.dtype)
 
 
-def shard(model, opts: ExportOptions):
-    """Tensor-parallel seam: TP-1 returns the model unchanged."""
-    return model
+def shard(model, opts: ExportOptions) -> list:
+    """Tensor parallel: one model per rank (graphs/tp.py's plan); TP-1: [the model unchanged]."""
+    if opts.tp == 1:
+        return [model]
+    from onegraph.graphs.load import shard_model
+    return [shard_model(model, r, opts.tp) for r in range(opts.tp)]
+
+
+@contextlib.contextmanager
+def trace_group(tp: int):
+    """A fake tp-rank default process group while tracing (functional collectives need a group to
+    name; nothing runs). Yields the group name the graphs bind to."""
+    import torch.distributed as dist
+    if tp == 1:
+        yield None
+        return
+    if dist.is_initialized():
+        raise ValueError("export --tp N traces every rank in one process: run it without torchrun")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()
 
 
 def fixture(model, max_seq_len: int) -> dict[str, torch.Tensor]:
@@ -93,39 +123,44 @@ def export(model_spec: str, out_dir: str | Path, opts: ExportOptions, progress: 
     dtype = resolve_dtype(opts.dtype)
     specs_wanted = [("decode", b) for b in sorted(set(opts.batch_sizes))] + \
                    [("prefill", t) for t in sorted(set(opts.prefill_chunks))]
-    bar = tqdm(total=3 + 2 * len(specs_wanted), desc="export", disable=not progress, unit="stage")
+    bar = tqdm(total=3 + 2 * len(specs_wanted) * opts.tp, desc="export", disable=not progress, unit="stage")
 
     bar.set_postfix_str("load")
     cfg, model, src = load_model(model_spec, dtype, dev)
     opts.validate(cfg.max_position_embeddings)
-    model = shard(model, opts)
+    ranks = shard(model, opts)
     bar.update()
 
     graphs, timings = {}, {}
-    for kind, bucket in specs_wanted:
-        spec = graph_spec(model, kind, bucket, opts.max_seq_len, dtype)
-        bar.set_postfix_str(f"trace {spec.name}")
-        t = time.time()
-        ep, hist = trace(model, spec, dev, opts.kernels)
-        bar.update()
-        bar.set_postfix_str(f"lower {spec.name}")
-        if opts.backend == "aoti":
-            from .aoti import lower_aoti
-            rel = f"graphs/{spec.name}.pt2"
-            lower_aoti(ep, out / rel, opts.eager_rounding)
-        else:
-            from .onnx import lower_onnx
-            rel = f"graphs/{spec.name}.onnx"
-            lower_onnx(model, spec, ep, out / rel)
-        timings[spec.name] = round(time.time() - t, 2)
-        graphs[spec.name] = dict(spec.manifest(), file=rel, ops=hist, node_count=sum(hist.values()))
-        bar.update()
-
-    bar.set_postfix_str("package")
-    weights = {n: t.detach().contiguous().cpu() for n, t in
-               list(model.named_parameters(prefix="model")) + list(model.named_buffers(prefix="model"))}
-    save_file(weights, str(out / "weights.safetensors"))
-    save_file(fixture(model, opts.max_seq_len), str(out / "fixture.safetensors"))
+    tp = opts.tp
+    sub = "graphs/rank{rank}/" if tp > 1 else "graphs/"
+    weights_file = "weights_rank{rank}.safetensors" if tp > 1 else "weights.safetensors"
+    with trace_group(tp) as group_name:
+        for r, rank_model in enumerate(ranks):
+            for kind, bucket in specs_wanted:
+                spec = graph_spec(rank_model, kind, bucket, opts.max_seq_len, dtype)
+                tag = spec.name if tp == 1 else f"rank{r}/{spec.name}"
+                bar.set_postfix_str(f"trace {tag}")
+                t = time.time()
+                ep, hist = trace(rank_model, spec, dev, opts.kernels)
+                bar.update()
+                bar.set_postfix_str(f"lower {tag}")
+                rel = sub + f"{spec.name}.{'pt2' if opts.backend == 'aoti' else 'onnx'}"
+                (out / rel.format(rank=r)).parent.mkdir(parents=True, exist_ok=True)
+                if opts.backend == "aoti":
+                    from .aoti import lower_aoti
+                    lower_aoti(ep, out / rel.format(rank=r), opts.eager_rounding)
+                else:
+                    from .onnx import lower_onnx
+                    lower_onnx(rank_model, spec, ep, out / rel)
+                timings[tag] = round(time.time() - t, 2)
+                graphs[spec.name] = dict(spec.manifest(), file=rel, ops=hist, node_count=sum(hist.values()))
+                bar.update()
+            bar.set_postfix_str("package")
+            weights = {n: t.detach().contiguous().cpu() for n, t in
+                       list(rank_model.named_parameters(prefix="model")) + list(rank_model.named_buffers(prefix="model"))}
+            save_file(weights, str(out / weights_file.format(rank=r)))
+    save_file(fixture(model, opts.max_seq_len), str(out / "fixture.safetensors"))   # TP-1 eager: the truth
     for name in TEXT_FILES:
         if (src / name).is_file():
             shutil.copy(src / name, out / name)
@@ -134,14 +169,24 @@ def export(model_spec: str, out_dir: str | Path, opts: ExportOptions, progress: 
         "backend": opts.backend, "model": cfg.to_dict(), "dtype": opts.dtype,
         "device": device_descriptor(dev), "versions": tool_versions(opts.backend), "ops": schema_versions(),
         "options": dataclasses.asdict(opts), "max_seq_len": opts.max_seq_len, "graphs": graphs, "state": state,
-        "weights": "weights.safetensors", "weight_shapes": {n: list(t.shape) for n, t in weights.items()},
+        "weights": weights_file, "weight_shapes": {n: list(t.shape) for n, t in weights.items()},
         "fixture": "fixture.safetensors", "timings_s": timings,
     }
+    if tp > 1:
+        from onegraph.graphs.tp import local_dims
+        manifest["tp"] = {"size": tp, "group_name": group_name, "plan": "onegraph.graphs.tp",
+                          "local_dims": dataclasses.asdict(local_dims(cfg, tp)),
+                          "collectives": "all_reduce after each token mixer and MLP block; all_gather of "
+                                         "vocab-sharded logits before sampling"}
     write_manifest(out, manifest)
     bar.update()
     bar.close()
     sizes = {p.name: p.stat().st_size for p in sorted((out / "graphs").iterdir())}
-    return {"out": str(out), "graphs": sizes, "weights_bytes": (out / "weights.safetensors").stat().st_size,
+    if tp > 1:
+        sizes = {f"rank{r}/{p.name}": p.stat().st_size for r in range(tp)
+                 for p in sorted((out / "graphs" / f"rank{r}").iterdir())}
+    return {"out": str(out), "graphs": sizes,
+            "weights_bytes": sum((out / weights_file.format(rank=r)).stat().st_size for r in range(tp)),
             "seconds": round(time.time() - t0, 1), "timings_s": timings}
 
 

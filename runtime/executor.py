@@ -55,6 +55,7 @@ class GraphExecutor:
         self.state = [torch.zeros([max_slots + 1 if s == "S" else s for s in t["shape"]], dtype=DTYPES[t["dtype"]],
                                   device=device) for t in state_meta]
         self.captured: dict = {}                   # decode bucket -> CapturedDecode (CUDA graphs)
+        self.rank, self.link = 0, None             # tensor parallel: this rank, runtime/tp.py StepBroadcast
         self.path = "eager"                        # reported at start-up and in stats()
         self.decode_buckets = sorted(g["bucket"] for g in graph_meta.values() if g["kind"] == "decode")
         self.prefill_buckets = sorted(g["bucket"] for g in graph_meta.values() if g["kind"] == "prefill")
@@ -71,6 +72,12 @@ class GraphExecutor:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
         m = load_manifest(path, device)
         dev = torch.device(m["_device"])
+        tp, rank = m.get("tp", {}).get("size", 1), 0
+        if tp > 1:                                 # this rank's graphs and weight shard
+            from .tp import artifact_rank
+            rank = artifact_rank(m)
+            m["weights"] = m["weights"].format(rank=rank)
+            m["graphs"] = {n: dict(g, file=g["file"].format(rank=rank)) for n, g in m["graphs"].items()}
         if m["backend"] != "aoti":
             from .onnx_graph import onnx_graphs   # the onnxruntime backend
             graphs = onnx_graphs(m)
@@ -81,6 +88,10 @@ class GraphExecutor:
             graphs = {name: g.run for name, g in loaded.items()}
         ex = cls(graphs, m["graphs"], m["state"], max_slots, m["max_seq_len"], m["model"]["vocab_size"], dev)
         ex.manifest = m
+        if tp > 1:
+            from .tp import StepBroadcast
+            ex.rank, ex.link = rank, StepBroadcast(m["graphs"], len(m["state"]), dev)
+            check_parity = check_parity and rank == 0   # rank 0 checks while the others follow()
         ex.path = "aoti-cpu" if dev.type == "cpu" else f"{m['backend']}-{dev.type}"
         if cuda_graphs and dev.type == "cuda" and loaded:
             from .cuda_graphs import CapturedDecode
@@ -110,6 +121,18 @@ class GraphExecutor:
         return cls(graphs, meta, state, max_slots, max_seq_len, model.cfg.vocab_size,
                    model.embed_tokens.weight.device)
 
+    # ---- tensor parallel (runtime/tp.py) ----
+    def follow(self) -> int:
+        """Ranks > 0: replay the graphs rank 0 calls, with this rank's state, until it stops."""
+        def run(name, inputs):
+            with torch.no_grad():
+                self.graphs[name](list(inputs) + self.state)
+        return self.link.follow(run)
+
+    def stop_followers(self) -> None:
+        if self.link is not None and self.rank == 0:
+            self.link.stop()
+
     # ---- steps ----
     def _sampling(self, rows: list[Sampling], n: int) -> list[torch.Tensor]:
         pad = [Sampling()] * (n - len(rows))
@@ -121,6 +144,8 @@ class GraphExecutor:
                 torch.tensor([r.seed for r in rows], dtype=torch.int64, device=d)]
 
     def call(self, name: str, inputs: list[torch.Tensor]):
+        if self.link is not None:                  # tensor parallel: rank 0 leads, the others replay it
+            inputs = self.link.lead(name, inputs)
         with torch.no_grad():
             out = self.graphs[name](list(inputs) + self.state)
         return out[0], out[1]
