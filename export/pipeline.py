@@ -55,6 +55,8 @@ class ExportOptions:
             raise ValueError(f"--backend must be aoti or onnx, got {self.backend!r}")
         if self.backend == "onnx" and self.device != "cpu":
             raise ValueError("--backend onnx targets onnxruntime's CPU execution provider: use --device cpu")
+        if self.backend == "onnx" and self.dtype != "float32":
+            raise ValueError("--backend onnx supports --dtype float32 only (bf16/fp16 graphs are not verified)")
         if self.device not in ("cpu", "cuda", "xpu"):
             raise ValueError(f"--device must be cpu, cuda or xpu, got {self.device!r}")
         if not self.batch_sizes or min(self.batch_sizes) < 1:

@@ -1,6 +1,7 @@
 """load_model: an HF-format directory (or the builtin `tiny`) -> (ModelConfig, Qwen35Model)."""
 from __future__ import annotations
 
+import functools
 import tempfile
 from pathlib import Path
 
@@ -22,11 +23,17 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
+@functools.lru_cache(maxsize=1)
+def _tiny_dir() -> Path:
+    """The tiny checkpoint, written once per process (deterministic, so sharing it is safe)."""
+    from .tiny import write_tiny
+    return write_tiny(Path(tempfile.mkdtemp(prefix="onegraph-tiny-")))
+
+
 def model_dir(spec: str | Path) -> Path:
     """`tiny` -> a freshly written tiny checkpoint (deterministic); a directory -> itself."""
     if str(spec) == "tiny":
-        from .tiny import write_tiny
-        return write_tiny(Path(tempfile.mkdtemp(prefix="onegraph-tiny-")))
+        return _tiny_dir()
     path = Path(spec)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {str(path)!r} does not exist (or pass 'tiny')")

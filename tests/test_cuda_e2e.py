@@ -38,3 +38,21 @@ def test_cuda_artifact_matches_eager(cuda_artifact):
             assert eng.ex.fixture_report["max_logit_diff"] <= (1e-4 if dtype == "float32" else 0.25)
         finally:
             eng.close()
+
+
+def test_cuda_canaries_under_mixed_batches(cuda_artifact):
+    """The 96-repeat JSON/colour canaries through CUDA-graph replay with async output, vs solo eager."""
+    import canary
+    from onegraph.graphs.eager import generate_eager
+    from onegraph.graphs.load import load_model
+    from onegraph.runtime import Engine
+    dtype, path = cuda_artifact
+    _, model, _ = load_model("tiny", dtype, "cuda")
+    refs = {n: generate_eager(model, p, 40, max_seq_len=256).token_ids for n, p in canary.PROMPTS.items()}
+    eng = Engine.from_artifact(path, max_slots=3, max_queue=512, device="cuda")
+    try:
+        failures = canary.run(eng, refs, 96)
+        assert not failures, f"{len(failures)} of 192 canaries differ; first: {failures[0]}"
+        assert eng.stats()["counters"]["decode_rows"] > eng.stats()["counters"]["decode_steps"]
+    finally:
+        eng.close()

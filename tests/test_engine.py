@@ -1,15 +1,14 @@
 """Rung 4: the replaying Engine vs eager — repeated canaries under continuous batching with
 one-step-late output, seeded sampling, slot hygiene, cancellation and bad input."""
 import asyncio
-import random
 
+import canary
 import pytest
 
 from onegraph.graphs.eager import SamplingParams, generate_eager
 from onegraph.runtime import Engine
 
-JSON_CANARY = list(b'Q: reply with JSON. A: {"answer":"42","unit":"widgets"}')
-COLOUR_CANARY = list(b"Colours of the rainbow: red, orange, yellow, green, blue,")
+COLOUR_CANARY = canary.PROMPTS["colour"]
 REPEATS = 96
 
 
@@ -24,15 +23,11 @@ def solo(model, prompt, n, **sp):
     return generate_eager(model, prompt, n, SamplingParams(**sp), max_seq_len=256).token_ids
 
 
-def first_diff(a, b):
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-
-
 def test_replay_equals_eager_64_tokens(engine, tiny_eager):
     for prompt in ([1, 2, 3], COLOUR_CANARY):
         got = engine.generate(prompt, 64)
         ref = solo(tiny_eager, prompt, 64)
-        assert got.token_ids == ref, f"first differing step {first_diff(got.token_ids, ref)}"
+        assert got.token_ids == ref, f"first differing step {canary.first_diff(got.token_ids, ref)}"
         assert got.finish_reason == "length"
 
 
@@ -44,7 +39,7 @@ def test_replay_equals_eager_transformers_checkpoint(hf_artifact, hf_checkpoint)
         prompt = [5, 17, 42, 99, 3, 250, 7, 64, 11]
         got = eng.generate(prompt, 64).token_ids
         ref = generate_eager(model, prompt, 64, max_seq_len=128).token_ids
-        assert got == ref, f"first differing step {first_diff(got, ref)}"
+        assert got == ref, f"first differing step {canary.first_diff(got, ref)}"
     finally:
         eng.close()
 
@@ -53,40 +48,8 @@ def test_canaries_repeated_under_mixed_batches(engine, tiny_eager):
     """96 repeats of each canary, admitted at staggered steps into different slots, with different
     lengths and neighbours (sampled noise requests among them); every repeat must equal its solo
     eager run token for token."""
-    refs = {"json": solo(tiny_eager, JSON_CANARY, 40), "colour": solo(tiny_eager, COLOUR_CANARY, 40)}
-    prompts = {"json": JSON_CANARY, "colour": COLOUR_CANARY}
-    rng = random.Random(7)
-    jobs = []
-    for i in range(REPEATS):
-        for name in ("json", "colour"):
-            jobs.append((name, i, 8 + (i * 7 + len(name)) % 33))
-    rng.shuffle(jobs)
-
-    async def run_one(name, i, n, delay):
-        await asyncio.sleep(delay)
-        toks = []
-        async for ev in engine.stream(prompts[name], max_new_tokens=n):
-            if ev.token_id is not None:
-                toks.append(ev.token_id)
-        return name, i, n, toks
-
-    async def noise(k):
-        await asyncio.sleep(rng.random() * 0.3)
-        p = [rng.randrange(256) for _ in range(rng.randrange(1, 30))]
-        return [ev async for ev in engine.stream(p, max_new_tokens=rng.randrange(1, 20), temperature=0.9, seed=k)]
-
-    async def main():
-        tasks = [run_one(name, i, n, rng.random() * 0.5) for name, i, n in jobs]
-        tasks += [noise(k) for k in range(24)]
-        return await asyncio.gather(*tasks)
-
-    results = asyncio.run(main())
-    failures = []
-    for name, i, n, toks in [r for r in results if isinstance(r, tuple)]:
-        ref = refs[name][:n]
-        if toks != ref:
-            failures.append(f"{name} repeat {i}: first differing step {first_diff(toks, ref)} "
-                            f"(got {toks[:12]} vs {ref[:12]}, len {len(toks)} vs {len(ref)})")
+    refs = {name: solo(tiny_eager, p, 40) for name, p in canary.PROMPTS.items()}
+    failures = canary.run(engine, refs, REPEATS)
     assert not failures, f"{len(failures)} of {2 * REPEATS} canaries differ; first: {failures[0]}"
     stats = engine.stats()
     assert stats["active_slots"] == 0 and stats["queue_depth"] == 0
