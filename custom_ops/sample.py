@@ -10,6 +10,8 @@ Sampling is Gumbel-max over the kept set: argmax(logits/T + gumbel(u)), u = hash
 token id) — a 32-bit integer hash (lowbias32) computed in int64 arithmetic, identical on every
 device and backend.
 """
+import dataclasses
+
 import torch
 
 from ._registry import check_shape, define_op
@@ -17,6 +19,22 @@ from ._registry import check_shape, define_op
 SCHEMA = ("(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor seed, Tensor position)"
           " -> Tensor")
 MASK32 = 0xFFFFFFFF
+
+
+@dataclasses.dataclass
+class Sampling:
+    """One request's sampling parameters (the host-side form of this op's per-row inputs)."""
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def tensors(self, n: int, device) -> list[torch.Tensor]:
+        """-> [temperature, top_k, top_p, seed], each [n], as the graphs take them."""
+        return [torch.full((n,), float(self.temperature), dtype=torch.float32, device=device),
+                torch.full((n,), int(self.top_k), dtype=torch.int64, device=device),
+                torch.full((n,), float(self.top_p), dtype=torch.float32, device=device),
+                torch.full((n,), int(self.seed), dtype=torch.int64, device=device)]
 
 
 def _validate(logits, temperature, top_k, top_p, seed, position):

@@ -9,21 +9,12 @@ import dataclasses
 
 import torch
 
+from onegraph.custom_ops.sample import Sampling
+
 from .qwen3_5 import Qwen35Model, new_state
 
 
-@dataclasses.dataclass
-class SamplingParams:
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    def tensors(self, n: int, device) -> list[torch.Tensor]:
-        return [torch.full((n,), float(self.temperature), dtype=torch.float32, device=device),
-                torch.full((n,), int(self.top_k), dtype=torch.int64, device=device),
-                torch.full((n,), float(self.top_p), dtype=torch.float32, device=device),
-                torch.full((n,), int(self.seed), dtype=torch.int64, device=device)]
+SamplingParams = Sampling      # one class for eager, export fixtures and the runtime
 
 
 @dataclasses.dataclass

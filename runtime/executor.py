@@ -9,11 +9,12 @@ bucket point at it with zero inputs.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 
 import torch
+
+from onegraph.custom_ops.sample import Sampling  # noqa: F401  (re-exported: onegraph.runtime.Sampling)
 
 from .artifact import ArtifactError, load_manifest, load_weights
 
@@ -21,13 +22,6 @@ log = logging.getLogger("onegraph.runtime")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64}
 
-
-@dataclasses.dataclass
-class Sampling:
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
 
 
 class AotiGraph:
