@@ -25,6 +25,18 @@ def stream_capsule(stream: torch.cuda.Stream):
     return _capsule_new(ctypes.c_void_p(stream.cuda_stream), None, None)
 
 
+def stage_rows(B: int, positions, sampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-step scalars of n <= B rows, padded to B, built with one tensor per dtype (not 5·B element
+    writes on the hot path): -> (int64 [3, B]: position, top_k, seed; fp32 [2, B]: temperature, top_p).
+    Padding rows: zeros, top_p 1 (greedy on the scratch slot)."""
+    pad = B - len(positions)
+    ints = torch.tensor([list(positions) + [0] * pad, [s.top_k for s in sampling] + [0] * pad,
+                         [s.seed for s in sampling] + [0] * pad], dtype=torch.int64)
+    floats = torch.tensor([[s.temperature for s in sampling] + [0.0] * pad,
+                           [s.top_p for s in sampling] + [1.0] * pad], dtype=torch.float32)
+    return ints, floats
+
+
 class CapturedDecode:
     """One decode bucket captured as a CUDA graph around the AOTInductor call."""
 
@@ -65,12 +77,9 @@ class CapturedDecode:
             self.slots[n:].fill_(scratch)
         self.flip ^= 1
         hi, hf = self.host_i[self.flip], self.host_f[self.flip]
-        hi.zero_()
-        hf.zero_()
-        hf[1].fill_(1.0)
-        for i, (p, s) in enumerate(zip(positions, sampling)):
-            hi[0, i], hi[1, i], hi[2, i] = p, s.top_k, s.seed
-            hf[0, i], hf[1, i] = s.temperature, s.top_p
+        ints, floats = stage_rows(self.B, positions, sampling)
+        hi.copy_(ints)
+        hf.copy_(floats)
         dev_i = hi.to(self.tokens.device, non_blocking=True)
         dev_f = hf.to(self.tokens.device, non_blocking=True)
         self.positions.copy_(dev_i[0])

@@ -13,7 +13,6 @@ whose peer died exit with an error instead of hanging.
 from __future__ import annotations
 
 import datetime
-import os
 
 import torch
 import torch.distributed as dist
@@ -22,7 +21,8 @@ TIMEOUT_S = 300
 
 
 def launched_by_torchrun() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    """True under torchrun (torch's own launcher check); the launch is the user's explicit choice."""
+    return dist.is_torchelastic_launched()
 
 
 def init_from_torchrun(device_type: str) -> tuple[int, int]:

@@ -115,3 +115,19 @@ def test_bad_input_is_a_value_error_and_engine_keeps_serving(engine, tiny_eager,
         engine.generate(prompt, n)
     assert engine.generate([1, 2, 3], 4).token_ids == solo(tiny_eager, [1, 2, 3], 4)
     assert engine.stats()["error"] is None
+
+
+def test_cuda_graph_staging_matches_the_uncaptured_inputs(engine):
+    """The captured decode stages positions/sampling in one tensor per dtype; it must hand the graph
+    exactly what the uncaptured path builds (padding rows included). Runs on CPU: staging is host work."""
+    import torch
+
+    from onegraph.runtime import Sampling
+    from onegraph.runtime.cuda_graphs import stage_rows
+    rows = [Sampling(0.7, 5, 0.9, 2**62 + 3), Sampling(), Sampling(1.3, 0, 0.5, -4)]
+    positions, B = [17, 0, 255], 4
+    ints, floats = stage_rows(B, positions, rows)
+    temperature, top_k, top_p, seed = engine.ex._sampling(rows, B)
+    assert torch.equal(ints[0], torch.tensor(positions + [0]))
+    assert torch.equal(ints[1], top_k) and torch.equal(ints[2], seed)
+    assert torch.equal(floats[0], temperature) and torch.equal(floats[1], top_p)
