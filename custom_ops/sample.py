@@ -66,6 +66,18 @@ def uniform(seed, position, vocab: int, device):
     return (r.double() + 0.5) / 4294967296.0
 
 
+def _cumsum_blocked(p, block: int = 512):
+    """cumsum over the last dim of [B, V] as two short scans (within blocks of `block`, then over the
+    block totals): Inductor lowers one scan over a 248k vocab at B=1 to a split-scan kernel that
+    cannot fuse with the reductions around it (NotImplementedError at compile, seen on the H200)."""
+    B, V = p.shape
+    nb = -(-V // block)
+    x = torch.nn.functional.pad(p, (0, nb * block - V)).view(B, nb, block)   # [B, nb, block]
+    inner = x.cumsum(-1)
+    offs = inner[:, :, -1].cumsum(-1) - inner[:, :, -1]                      # [B, nb] mass of earlier blocks
+    return (inner + offs[:, :, None]).view(B, nb * block)[:, :V]
+
+
 def reference_sample(logits, temperature, top_k, top_p, seed, position):
     B, V = logits.shape
     logits = logits.float()
@@ -74,7 +86,7 @@ def reference_sample(logits, temperature, top_k, top_p, seed, position):
     scaled = logits / t[:, None]
     srt, order = torch.sort(scaled, dim=-1, descending=True)               # [B, V]
     probs = torch.softmax(srt, dim=-1)
-    before = probs.cumsum(-1) - probs                                      # mass ranked above
+    before = _cumsum_blocked(probs) - probs                                # mass ranked above
     rank = torch.arange(V, device=logits.device)[None, :]
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V))[:, None]
     keep = (rank < k) & (before < top_p[:, None]) | (rank == 0)
@@ -85,5 +97,5 @@ def reference_sample(logits, temperature, top_k, top_p, seed, position):
     return torch.where(temperature > 0, sampled, greedy)
 
 
-sample = define_op("sample", version=1, schema=SCHEMA, reference=reference_sample, validate=_validate,
+sample = define_op("sample", version=2, schema=SCHEMA, reference=reference_sample, validate=_validate,
                    fake=lambda logits, *r: logits.new_empty((logits.shape[0],), dtype=torch.int64))

@@ -51,52 +51,34 @@ def bytes_per_step(model, B: int) -> int:
     return total
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--max-seq-len", type=int, default=4096)
-    ap.add_argument("--position", type=int, default=1024, help="context length each row decodes at")
-    ap.add_argument("--kernels", default="auto", choices=["auto", "reference"])
-    ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--eager-steps", type=int, default=5)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_big: needs a CUDA device", file=sys.stderr)
-        return 2
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def bench_batch(model, weights, B: int, args, dev, bw: float) -> dict:
+    """Lower the decode graph for B rows, capture it, time replay and eager -> one result row."""
     from onegraph.export.aoti import lower_aoti
     from onegraph.export.entry import graph_spec
     from onegraph.export.trace import trace
-    from onegraph.graphs.config import ModelConfig
     from onegraph.graphs.qwen3_5 import new_state
-    from onegraph.graphs.tiny import QWEN35_35B_A3B_HF_CONFIG, random_model
     from onegraph.runtime.cuda_graphs import CapturedDecode
     from onegraph.runtime.executor import AotiGraph, Sampling
-    dev, B = torch.device("cuda"), args.batch
-    res = {"command": "python -m onegraph.tools.bench_big " + " ".join(sys.argv[1:] if argv is None else argv),
-           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": B,
-           "position": args.position, "kernels": args.kernels}
-    t = time.time()
-    cfg = ModelConfig.from_hf(QWEN35_35B_A3B_HF_CONFIG)
-    model = random_model(cfg, torch.bfloat16, dev)
-    res["params_B"] = round(sum(p.numel() for p in model.parameters()) / 1e9, 2)
-    res["build_s"] = round(time.time() - t, 1)
+    cfg, r = model.cfg, {"batch": B}
     spec = graph_spec(model, "decode", B, args.max_seq_len, torch.bfloat16)
     t = time.time()
     ep, hist = trace(model, spec, dev, args.kernels)
-    res["trace_s"] = round(time.time() - t, 1)
-    res["graph_nodes"] = sum(hist.values())
+    r["trace_s"] = round(time.time() - t, 1)
+    r["graph_nodes"] = sum(hist.values())
     t = time.time()
     pkg = lower_aoti(ep, Path(tempfile.mkdtemp()) / "decode.pt2", eager_rounding=True)
-    res["compile_s"] = round(time.time() - t, 1)
+    r["compile_s"] = round(time.time() - t, 1)
+    log("batch", B, "trace_s", r["trace_s"], "compile_s", r["compile_s"])
     del ep
-    weights = {f"model.{n}": p for n, p in model.named_parameters()}
-    weights.update({f"model.{n}": b for n, b in model.named_buffers()})
     t = time.time()
     graph = AotiGraph(pkg, weights, dev)
     state = new_state(cfg, B, args.max_seq_len, torch.bfloat16, dev)
     cap = CapturedDecode(graph.run_with_stream, B, state, B, dev)
-    res["load_and_capture_s"] = round(time.time() - t, 1)
+    r["load_and_capture_s"] = round(time.time() - t, 1)
     tokens = torch.arange(1, B + 1, device=dev)
     slots = torch.arange(B, device=dev)
     pos, samp = [args.position] * B, [Sampling()] * B
@@ -108,9 +90,7 @@ def main(argv=None) -> int:
         cap.step(tokens, slots, pos, samp, B)
     torch.cuda.synchronize()
     replay_ms = (time.perf_counter() - t) / args.steps * 1e3
-    eager_in = [tokens, slots, torch.full((B,), args.position, device=dev)] + \
-               [torch.zeros(B, device=dev), torch.zeros(B, dtype=torch.int64, device=dev),
-                torch.ones(B, device=dev), torch.zeros(B, dtype=torch.int64, device=dev)]
+    eager_in = [tokens, slots, torch.full((B,), args.position, device=dev)] + Sampling().tensors(B, dev)
     with torch.no_grad():
         model.decode(*eager_in, *state)
         torch.cuda.synchronize()
@@ -119,18 +99,54 @@ def main(argv=None) -> int:
             model.decode(*eager_in, *state)
         torch.cuda.synchronize()
     eager_ms = (time.perf_counter() - t) / args.eager_steps * 1e3
-    bw = copy_bandwidth(dev)
     nbytes = bytes_per_step(model, B)
-    res.update({"replay_ms_per_step": round(replay_ms, 3), "replay_tok_s": round(B / replay_ms * 1e3, 1),
-                "eager_ms_per_step": round(eager_ms, 3), "replay_speedup_vs_eager": round(eager_ms / replay_ms, 2),
-                "copy_bandwidth_GBps": round(bw / 1e9, 1), "weight_bytes_per_step": nbytes,
-                "bandwidth_limit_ms": round(nbytes / bw * 1e3, 3),
-                "fraction_of_bandwidth_limit": round(nbytes / bw * 1e3 / replay_ms, 3),
-                "peak_memory_GB": round(torch.cuda.max_memory_allocated() / 1e9, 1)})
-    text = json.dumps(res, indent=2)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text + "\n")
-    print(text)
+    r.update({"replay_ms_per_step": round(replay_ms, 3), "replay_tok_s": round(B / replay_ms * 1e3, 1),
+              "eager_ms_per_step": round(eager_ms, 3), "replay_speedup_vs_eager": round(eager_ms / replay_ms, 2),
+              "weight_bytes_per_step": nbytes, "bandwidth_limit_ms": round(nbytes / bw * 1e3, 3),
+              "fraction_of_bandwidth_limit": round(nbytes / bw * 1e3 / replay_ms, 3),
+              "peak_memory_GB": round(torch.cuda.max_memory_allocated() / 1e9, 1)})
+    del cap, graph, state
+    torch.cuda.empty_cache()
+    return r
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=lambda v: [int(x) for x in v.split(",")], default=[1],
+                    help="comma-separated batch sizes, one lowered graph each")
+    ap.add_argument("--max-seq-len", type=int, default=4096)
+    ap.add_argument("--position", type=int, default=1024, help="context length each row decodes at")
+    ap.add_argument("--kernels", default="auto", choices=["auto", "reference"])
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--eager-steps", type=int, default=5)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_big: needs a CUDA device", file=sys.stderr)
+        return 2
+    from onegraph.graphs.config import ModelConfig
+    from onegraph.graphs.tiny import QWEN35_35B_A3B_HF_CONFIG, random_model
+    dev = torch.device("cuda")
+    res = {"command": "python -m onegraph.tools.bench_big " + " ".join(sys.argv[1:] if argv is None else argv),
+           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "position": args.position, "kernels": args.kernels}
+    t = time.time()
+    cfg = ModelConfig.from_hf(QWEN35_35B_A3B_HF_CONFIG)
+    model = random_model(cfg, torch.bfloat16, dev)
+    res["params_B"] = round(sum(p.numel() for p in model.parameters()) / 1e9, 2)
+    res["build_s"] = round(time.time() - t, 1)
+    log("build_s", res["build_s"])
+    res["copy_bandwidth_GBps"] = round(copy_bandwidth(dev) / 1e9, 1)
+    weights = {f"model.{n}": p for n, p in model.named_parameters()}
+    weights.update({f"model.{n}": b for n, b in model.named_buffers()})
+    res["batches"] = []
+    for B in args.batch:
+        r = bench_batch(model, weights, B, args, dev, res["copy_bandwidth_GBps"] * 1e9)
+        res["batches"].append(r)
+        log(json.dumps(r))
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")     # partial results survive a kill
+    print(json.dumps(res, indent=2))
     return 0
 
 
