@@ -51,6 +51,41 @@ def bytes_per_step(model, B: int) -> int:
     return total
 
 
+# kernel-name patterns -> region of the decode step (first match wins). Hand-written Triton kernels carry
+# their op's name; cuBLAS GEMMs are the projections (lm_head is told apart as the largest one per step);
+# Inductor's generated kernels are named after the aten ops they fuse.
+REGIONS = (("moe", ("_moe_",)), ("gdn", ("_gdn_",)), ("attention", ("_attn", "attention")),
+           ("norms", ("_rms", "norm")), ("sampling", ("sort", "argmax", "cumsum", "gumbel", "log_")),
+           ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "sm90", "xmma", "splitk")),
+           ("inductor_other", ("triton_",)))
+
+
+def profile_regions(step, n: int):
+    """-> (µs per step by region, top 15 kernels µs per step) from the torch profiler over n steps."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    per_kernel, largest_gemm = {}, 0.0
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[ev.name] = per_kernel.get(ev.name, 0.0) + ev.device_time / n
+            if any(p in ev.name.lower() for p in REGIONS[5][1]):
+                largest_gemm = max(largest_gemm, ev.device_time)
+    regions = {}
+    for name, us in per_kernel.items():
+        low = name.lower()
+        region = next((r for r, pats in REGIONS if any(p in low for p in pats)), "other")
+        regions[region] = regions.get(region, 0.0) + us
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]
+    regions = {k: round(v, 1) for k, v in sorted(regions.items(), key=lambda kv: -kv[1])}
+    regions["total"] = round(sum(per_kernel.values()), 1)
+    regions["largest_single_gemm(lm_head)"] = round(largest_gemm, 1)
+    return regions, [{"kernel": k[:120], "us": round(v, 1)} for k, v in top]
+
+
 def log(*a):
     print(*a, file=sys.stderr, flush=True)
 
@@ -90,6 +125,9 @@ def bench_batch(model, weights, B: int, args, dev, bw: float) -> dict:
         cap.step(tokens, slots, pos, samp, B)
     torch.cuda.synchronize()
     replay_ms = (time.perf_counter() - t) / args.steps * 1e3
+    if args.profile:
+        r["regions_us_per_step"], r["top_kernels_us_per_step"] = profile_regions(
+            lambda: cap.step(tokens, slots, pos, samp, B), 10)
     eager_in = [tokens, slots, torch.full((B,), args.position, device=dev)] + Sampling().tensors(B, dev)
     with torch.no_grad():
         model.decode(*eager_in, *state)
@@ -119,6 +157,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", default="auto", choices=["auto", "reference"])
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--eager-steps", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="per-region kernel breakdown (torch profiler)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

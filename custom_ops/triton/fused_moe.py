@@ -11,7 +11,8 @@ Programs are launched pairs-fastest (kernel 1) and tokens-fastest (kernel 2), so
 read one expert's tile run together and share it through L2: DRAM traffic ~ distinct experts.
 Numerics: fp32 accumulation; the reference's roundings to x.dtype (gate_up product, silu, act,
 down product, its scaling by w, the routed sum, the shared gate and product) are reproduced.
-Any T works; prefill sizes (T*k >> E) would want a grouped-GEMM kernel (tensor cores) instead.
+Prefill (T*k > E, the reference's per-expert loop branch) dispatches to fused_moe_prefill.py: a
+grouped GEMM (tensor cores) over the pairs sorted by expert, with that branch's roundings.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from torch.library import triton_op
 
 from .. import _registry
 from ..fused_moe import _validate, route
+from . import fused_moe_prefill
 from ._common import launch, next_pow2, rnd, to_dt
 
 
@@ -118,10 +120,12 @@ def _moe_down_kernel(x, idx, wts, down, sh_down, sh_gate_w, act, act_sh, y,
     tl.store(y + t * s_y_t + rows * s_y_h, to_dt(res, DT), mask=mrow)
 
 
-# Tile sizes (tunable with tools/bench_ops.py): kernel 1 reads [BI, BH1] tiles of gate and of up per
-# step, kernel 2 [BH2, BI2] tiles of down per selected expert.
-BI1, BH1 = 16, 256
-BH2, BI2 = 16, 256
+# Tile sizes and warps: kernel 1 reads [BI1, BH1] tiles of gate and of up per step, kernel 2 [BH2, BI2]
+# tiles of down per selected expert. Picked by `python -m onegraph.tools.tune_moe --batches 1` on the H200
+# (35B shape, B=1): swiglu 52.0 -> 49.1 us with (8, 256, 8), down 52.0 -> 48.0 us with (4, 256, 4)
+# (benchmarks/h200_moe_tiles.json; the small row tiles give more programs per SM at B=1).
+BI1, BH1, W1 = 8, 256, 8
+BH2, BI2, W2 = 4, 256, 4
 
 
 @triton_op("onegraph::fused_moe_triton", mutates_args=())
@@ -130,9 +134,13 @@ def fused_moe_triton(x: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Ten
                      shared_gate_w: torch.Tensor, top_k: int) -> torch.Tensor:
     _validate(x, router_w, gate_up, down, shared_gate, shared_up, shared_down, shared_gate_w, top_k)
     T, H = x.shape
-    I = gate_up.shape[1] // 2
+    E, I = gate_up.shape[0], gate_up.shape[1] // 2
     Is = shared_gate.shape[0]
     w, idx = route(x, router_w, top_k)                                      # [T, k] x.dtype, int64
+    if T * top_k > E:     # static at trace time: the reference's prefill branch, as a grouped GEMM
+        # this module's `launch` is passed on so that compile_check (which replaces it) records these too
+        return fused_moe_prefill.fused_moe_prefill(x, w, idx, gate_up, down, shared_gate, shared_up,
+                                                   shared_down, shared_gate_w, launch=launch)
     w, idx = w.contiguous(), idx.contiguous()
     P = T * top_k
     act = torch.empty((P, I), dtype=x.dtype, device=x.device)
@@ -143,13 +151,13 @@ def fused_moe_triton(x: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Ten
     launch(_moe_swiglu_kernel, (P + T, triton.cdiv(max(I, Is), BI)),
            x, idx, gate_up, shared_gate, shared_up, act, act_sh,
            *x.stride(), *gate_up.stride(), *shared_gate.stride(), *shared_up.stride(),
-           P, H=H, I=I, Is=Is, TOPK=top_k, BI=BI, BH=BH, num_warps=4)
+           P, H=H, I=I, Is=Is, TOPK=top_k, BI=BI, BH=BH, num_warps=W1)
     BHo = min(BH2, next_pow2(H))
     BIo = min(BI2, next_pow2(max(I, Is)))
     launch(_moe_down_kernel, (T, triton.cdiv(H, BHo)),
            x, idx, w, down, shared_down, shared_gate_w, act, act_sh, y,
            *x.stride(), *down.stride(), *shared_down.stride(), shared_gate_w.stride(1), *y.stride(),
-           H=H, I=I, Is=Is, TOPK=top_k, BH=BHo, BI=BIo, BG=min(1024, next_pow2(H)), num_warps=4)
+           H=H, I=I, Is=Is, TOPK=top_k, BH=BHo, BI=BIo, BG=min(1024, next_pow2(H)), num_warps=W2)
     return y
 
 

@@ -1,0 +1,238 @@
+"""Prefill path of the Triton fused_moe lowering (contract: custom_ops/fused_moe.py): T*top_k > E, where
+the reference loops over all E experts. Called by custom_ops/triton/fused_moe.py after the router.
+
+Shapes: x [T, H]; w, idx [T, k] (router output); gate_up [E, 2I, H]; down [E, H, I]; shared_gate,
+shared_up [Is, H]; shared_down [H, Is]; shared_gate_w [1, H]. P = T*k (token, expert) pairs.
+
+Algorithm (grouped GEMM over expert-sorted pairs; every shape static, so export/AOTInductor trace it):
+ 0. aten: sort each token's k experts ascending (pair p = t*k + j is then the token's j-th smallest
+    expert id: the order in which the reference adds the experts up).
+ 1. aten block table (`_block_table`): stable argsort of the pairs by expert -> src [P] (sorted row ->
+    pair); per-expert counts (scatter_add), their cumsums, and for each of NB = cdiv(P, BM) + min(E, P)
+    blocks (a static upper bound on sum_e cdiv(count_e, BM)) its expert and row range [row, end) in the
+    sorted order. Blocks past the last tile get end = 0 and exit at once.
+ 2. `_grouped_swiglu_kernel`, grid (NB, cdiv(I, BN)): act[r] = silu(x[tok] . gate_e) * (x[tok] . up_e)
+    for the BM sorted rows r of one expert: tl.dot tiles [BM, BK] x [BK, BN] (tensor cores).
+ 3. `_grouped_down_kernel`, grid (NB, cdiv(H, BN)): y[pair] = rnd(rnd(act[r] . down_e) * w[pair]),
+    written back in pair order [P, H].
+ 4. The shared expert runs through the same two kernels as ONE group of T rows (ids all 0, no weight),
+    -> y_sh [T, H]. Why not aten mm: Inductor would fuse silu(g) * u without the bf16 roundings the
+    eager reference makes between them; the kernels reproduce them, on the same tensor cores.
+ 5. `_combine_kernel`, grid (T, cdiv(H, BH)): routed = y[t*k] + y[t*k+1] + ... rounded to x.dtype
+    after each add (ascending expert id, as the reference's per-expert loop does; the reference's
+    exact-zero terms for unselected experts change nothing), then
+    out = rnd(routed + rnd(rnd(sigmoid(rnd(x[t] . shared_gate_w))) * y_sh[t])).
+Numerics: fp32 accumulation (fp32 operands in IEEE fp32, not tf32); every rounding of the reference's
+prefill branch to x.dtype is reproduced (`rnd`), so bf16 tracks eager to a rare 1-ulp flip.
+Weight offsets: expert ids are int64 (e * stride exceeds 2^31 elements on large models).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import launch as _launch, next_pow2, rnd, to_dt
+
+
+@triton.jit
+def _mma(a, b, acc, DOT_F32: tl.constexpr):
+    """acc + a @ b in fp32. fp32 operands use IEEE fp32 (tf32 would miss the fp32 tolerance).
+    DOT_F32 (True only for interpreted kernels): Triton's CPU interpreter multiplies bf16 tl.dot operands
+    as their raw uint16 bits (triton 3.6 interpreter create_dot), so there they are upcast first (exact;
+    same products, fp32 accumulation). Compiled kernels keep bf16 operands (tensor cores)."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    elif DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _grouped_swiglu_kernel(x, src, blk_e, blk_row, blk_end, wg, wu, act,
+                           s_x_t, s_x_h, s_g_e, s_g_n, s_g_h, s_u_e, s_u_n, s_u_h, u0,
+                           H: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr,
+                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
+    """act[r, n-tile] for the sorted rows r of block b; gate rows n of wg[e], up rows u0 + n of wu[e]."""
+    b = tl.program_id(0)
+    nb = tl.program_id(1)
+    DT: tl.constexpr = x.dtype.element_ty
+    r0 = tl.load(blk_row + b)
+    r1 = tl.load(blk_end + b)
+    if r0 < r1:                                       # blocks past the last tile have no rows
+        e = tl.load(blk_e + b)                        # int64: 64-bit weight offsets
+        rows = r0 + tl.arange(0, BM)                  # [BM] sorted rows of expert e
+        mr = rows < r1
+        tok = tl.load(src + rows, mask=mr, other=0) // TOPK              # [BM] pair -> token
+        cols = nb * BN + tl.arange(0, BN)             # [BN] intermediate channels
+        mc = cols < N
+        x_rows = x + tok[:, None] * s_x_t                                # [BM, 1]
+        g_cols = wg + e * s_g_e + cols[None, :] * s_g_n                  # [1, BN]
+        u_cols = wu + e * s_u_e + (u0 + cols[None, :]) * s_u_n
+        acc_g = tl.zeros([BM, BN], tl.float32)
+        acc_u = tl.zeros([BM, BN], tl.float32)
+        for h0 in range(0, H, BK):
+            kk = h0 + tl.arange(0, BK)
+            mk = kk < H
+            xa = tl.load(x_rows + kk[None, :] * s_x_h, mask=mr[:, None] & mk[None, :], other=0.0)    # [BM, BK]
+            mw = mk[:, None] & mc[None, :]
+            g = tl.load(g_cols + kk[:, None] * s_g_h, mask=mw, other=0.0)                          # [BK, BN]
+            u = tl.load(u_cols + kk[:, None] * s_u_h, mask=mw, other=0.0)
+            acc_g = _mma(xa, g, acc_g, DOT_F32)
+            acc_u = _mma(xa, u, acc_u, DOT_F32)
+        g = rnd(acc_g, DT)                            # F.linear output in x.dtype
+        u = rnd(acc_u, DT)
+        a = rnd(rnd(g * tl.sigmoid(g), DT) * u, DT)   # silu in x.dtype, then the product
+        tl.store(act + rows[:, None] * N + cols[None, :], to_dt(a, DT), mask=mr[:, None] & mc[None, :])
+
+
+@triton.jit
+def _grouped_down_kernel(act, src, wts, blk_e, blk_row, blk_end, wd, out,
+                         s_d_e, s_d_n, s_d_k,
+                         K: tl.constexpr, H: tl.constexpr, HAS_W: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
+    """out[src[r], n-tile] = rnd(act[r] . wd[e, n-tile]) (* wts[src[r]], rounded) for block b's rows."""
+    b = tl.program_id(0)
+    nb = tl.program_id(1)
+    DT: tl.constexpr = act.dtype.element_ty
+    r0 = tl.load(blk_row + b)
+    r1 = tl.load(blk_end + b)
+    if r0 < r1:
+        e = tl.load(blk_e + b)                        # int64
+        rows = r0 + tl.arange(0, BM)
+        mr = rows < r1
+        cols = nb * BN + tl.arange(0, BN)             # [BN] output channels (H)
+        mc = cols < H
+        d_cols = wd + e * s_d_e + cols[None, :] * s_d_n                  # [1, BN]
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            mk = kk < K
+            a = tl.load(act + rows[:, None] * K + kk[None, :], mask=mr[:, None] & mk[None, :], other=0.0)  # [BM, BK]
+            d = tl.load(d_cols + kk[:, None] * s_d_k, mask=mk[:, None] & mc[None, :], other=0.0)          # [BK, BN]
+            acc = _mma(a, d, acc, DOT_F32)
+        y = rnd(acc, DT)                              # F.linear(act, down[e]) in x.dtype
+        dst = tl.load(src + rows, mask=mr, other=0)  # [BM] pair (routed) or token (shared)
+        if HAS_W:
+            y = rnd(y * tl.load(wts + dst, mask=mr, other=0.0).to(tl.float32)[:, None], DT)      # y_e * w_e
+        tl.store(out + dst[:, None] * H + cols[None, :], to_dt(y, DT), mask=mr[:, None] & mc[None, :])
+
+
+@triton.jit
+def _combine_kernel(x, y_pair, y_sh, sgw, out, s_x_t, s_x_h, s_sgw_h, s_o_t, s_o_h,
+                    H: tl.constexpr, TOPK: tl.constexpr, BH: tl.constexpr, BG: tl.constexpr):
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    DT: tl.constexpr = x.dtype.element_ty
+    cols = hb * BH + tl.arange(0, BH)
+    mc = cols < H
+    # routed: the token's k pair rows, ascending expert id, rounded after each add (0 + y is exact)
+    routed = tl.load(y_pair + (t * TOPK) * H + cols, mask=mc, other=0.0).to(tl.float32)
+    for j in tl.static_range(1, TOPK):
+        routed = rnd(routed + tl.load(y_pair + (t * TOPK + j) * H + cols, mask=mc, other=0.0).to(tl.float32), DT)
+    gacc = tl.zeros([BG], tl.float32)               # shared-expert gate: sigmoid(x[t] . shared_gate_w)
+    for h0 in range(0, H, BG):
+        offs = h0 + tl.arange(0, BG)
+        mh = offs < H
+        xv = tl.load(x + t * s_x_t + offs * s_x_h, mask=mh, other=0.0).to(tl.float32)
+        gacc += tl.load(sgw + offs * s_sgw_h, mask=mh, other=0.0).to(tl.float32) * xv
+    gate = rnd(tl.sigmoid(rnd(tl.sum(gacc, axis=0), DT)), DT)
+    shared = tl.load(y_sh + t * H + cols, mask=mc, other=0.0).to(tl.float32)
+    res = routed + rnd(gate * shared, DT)
+    tl.store(out + t * s_o_t + cols * s_o_h, to_dt(res, DT), mask=mc)
+
+
+# Tile caps (tunable with tools/bench_ops.py). BM adapts to the rows per expert (P / E), from 16 (the
+# smallest tensor-core M) to 64; BN x BK = 64 x 64 weight tiles.
+BM_MAX, BN_MAX, BK_MAX = 64, 64, 64
+BH_COMBINE = 256
+
+
+# Interpreted kernels (TRITON_INTERPRET=1 in the CPU tests) need the bf16 dot workaround in `_mma`.
+_INTERPRETED = not isinstance(_mma, triton.runtime.jit.JITFunction)
+
+
+def _tile(n: int, cap: int) -> int:
+    return min(cap, max(16, next_pow2(n)))
+
+
+def _block_table(ids: torch.Tensor, E: int, BM: int):
+    """ids [R] int64 in [0, E) -> src [R] (sorted row -> original row: by id, then row), and per block
+    b < NB = cdiv(R, BM) + min(E, R): blk_e [NB] (its group id), blk_row [NB], blk_end [NB] (its rows
+    [row, min(row + BM, end)) of src). Unused blocks: end = 0 <= row. Static shapes throughout."""
+    R = ids.shape[0]
+    src = torch.argsort(ids, stable=True)                                            # [R]
+    counts = torch.zeros(E, dtype=torch.int64, device=ids.device).scatter_add(0, ids, torch.ones_like(ids))
+    seg_end = counts.cumsum(0)                                                       # [E] rows per group
+    seg_start = seg_end - counts
+    tiles = (counts + BM - 1) // BM                                                  # [E] blocks per group
+    tile_end = tiles.cumsum(0)
+    tile_start = tile_end - tiles
+    b = torch.arange(triton.cdiv(R, BM) + min(E, R), dtype=torch.int64, device=ids.device)   # [NB]
+    blk_e = torch.searchsorted(tile_end, b, right=True)                              # [NB] in [0, E]
+    ec = blk_e.clamp(max=E - 1)
+    blk_row = seg_start[ec] + (b - tile_start[ec]) * BM
+    blk_end = torch.where(blk_e < E, seg_end[ec], torch.zeros_like(blk_row))
+    return src, blk_e, blk_row, blk_end
+
+
+def _strides3(t: torch.Tensor):
+    """(expert, row, col) strides; a 2-D (shared-expert) weight is one expert: expert stride 0."""
+    return t.stride() if t.dim() == 3 else (0, *t.stride())
+
+
+def _grouped_swiglu(x, ids, E, wg, wu, u0, N, topk, launch):
+    """-> (act [R, N] in sorted order, src [R], block table) for rows ids [R] (pair p reads x[p // topk])."""
+    R, H = ids.shape[0], x.shape[1]
+    BM = _tile(triton.cdiv(R, E), BM_MAX)
+    src, blk_e, blk_row, blk_end = _block_table(ids, E, BM)
+    act = torch.empty((R, N), dtype=x.dtype, device=x.device)
+    BN, BK = _tile(N, BN_MAX), _tile(H, BK_MAX)
+    launch(_grouped_swiglu_kernel, (blk_e.shape[0], triton.cdiv(N, BN)),
+           x, src, blk_e, blk_row, blk_end, wg, wu, act,
+           *x.stride(), *_strides3(wg), *_strides3(wu), u0,
+           H=H, N=N, TOPK=topk, BM=BM, BN=BN, BK=BK, DOT_F32=_INTERPRETED, num_warps=4)
+    return act, src, (blk_e, blk_row, blk_end), BM
+
+
+def _grouped_down(act, src, blocks, BM, wd, wts, out, launch):
+    K, H = act.shape[1], out.shape[1]
+    BN, BK = _tile(H, BN_MAX), _tile(K, BK_MAX)
+    launch(_grouped_down_kernel, (blocks[0].shape[0], triton.cdiv(H, BN)),
+           act, src, wts if wts is not None else act, *blocks, wd, out, *_strides3(wd),
+           K=K, H=H, HAS_W=wts is not None, BM=BM, BN=BN, BK=BK, DOT_F32=_INTERPRETED,
+           num_warps=4)
+
+
+def fused_moe_prefill(x, w, idx, gate_up, down, shared_gate, shared_up, shared_down, shared_gate_w,
+                      launch=_launch):
+    """x [T, H], w [T, k] x.dtype, idx [T, k] int64 (from `route`) -> y [T, H]. `launch` is the caller's
+    module-level launcher (compile_check records launches by replacing it there)."""
+    T, H = x.shape
+    k = idx.shape[1]
+    E, I2, _ = gate_up.shape
+    I, Is = I2 // 2, shared_gate.shape[0]
+    P = T * k
+    idx, perm = idx.sort(dim=1)                                      # [T, k] ascending expert per token
+    w = w.gather(1, perm).reshape(P).contiguous()                    # [P] weight of pair p = t*k + j
+    ids = idx.reshape(P).contiguous()                                # [P] expert of pair p
+
+    # routed experts: act [P, I] (sorted rows) -> y_pair [P, H] (pair order), each rnd(rnd(y) * w)
+    act, src, blocks, BM = _grouped_swiglu(x, ids, E, gate_up, gate_up, u0=I, N=I, topk=k, launch=launch)
+    y_pair = torch.empty((P, H), dtype=x.dtype, device=x.device)
+    _grouped_down(act, src, blocks, BM, down, w, y_pair, launch)
+
+    # shared expert: one group holding every token -> y_sh [T, H]
+    zeros = torch.zeros(T, dtype=torch.int64, device=x.device)
+    act_sh, src_sh, blocks_sh, BM_sh = _grouped_swiglu(x, zeros, 1, shared_gate, shared_up, u0=0, N=Is, topk=1,
+                                                        launch=launch)
+    y_sh = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    _grouped_down(act_sh, src_sh, blocks_sh, BM_sh, shared_down, None, y_sh, launch)
+
+    y = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    BH = min(BH_COMBINE, next_pow2(H))
+    launch(_combine_kernel, (T, triton.cdiv(H, BH)),
+           x, y_pair, y_sh, shared_gate_w, y, *x.stride(), shared_gate_w.stride(1), *y.stride(),
+           H=H, TOPK=k, BH=BH, BG=min(1024, next_pow2(H)), num_warps=4)
+    return y

@@ -1,0 +1,165 @@
+"""Parity rung 1 for the prefill path of the Triton fused_moe lowering (custom_ops/triton/fused_moe_prefill.py,
+taken when T*top_k > E) against `reference_fused_moe`, whose prefill branch loops over every expert.
+
+Where the kernels run: as in test_triton_ops.py — without CUDA in Triton's CPU interpreter
+(TRITON_INTERPRET=1 set for THIS test process before the kernels are defined) on small awkward shapes;
+with CUDA compiled, plus the `cuda`-marked test at Qwen3.5-35B-A3B shapes (T = 512).
+
+Tolerances (max abs error, |reference| is O(1)): fp32 1e-4 (fp32 accumulation in another order);
+bf16: the kernels reproduce every rounding of the reference's prefill branch, so on the interpreter
+they are bit-exact (asserted: at most 0.1% of elements differ, by at most 2e-2 = a few bf16 ulps);
+on the GPU, cuBLAS (the eager reference) and the kernels sum the dot products in different orders, so
+a rounding flips now and then: 3e-2 and 2% of elements there.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from onegraph.custom_ops import PYTHON_CALLS, decompositions
+from onegraph.custom_ops.fused_moe import reference_fused_moe, route
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+if not CUDA:
+    # Test process only, before the kernels are defined (triton.jit reads it then).
+    os.environ["TRITON_INTERPRET"] = "1"
+from onegraph.custom_ops import triton as kernels  # noqa: E402
+if kernels.AVAILABLE:
+    from onegraph.custom_ops.triton import fused_moe_prefill as prefill_mod
+
+HAVE_TRITON = kernels.AVAILABLE
+INTERPRETED = HAVE_TRITON and prefill_mod._INTERPRETED
+needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason=f"triton not installed ({kernels.IMPORT_ERROR})")
+if HAVE_TRITON and not CUDA and not INTERPRETED:
+    needs_triton = pytest.mark.skip(reason="kernels were defined without TRITON_INTERPRET and there is no GPU")
+
+
+def cuda_test(fn):
+    fn = pytest.mark.skipif(not (CUDA and HAVE_TRITON), reason="needs a CUDA device and triton")(fn)
+    return pytest.mark.cuda(fn)
+
+
+ops = torch.ops.onegraph
+BF16 = torch.bfloat16
+
+
+def compare(got, ref, atol, max_frac, what):
+    """max |got - ref| <= atol and at most a fraction `max_frac` of the elements differ at all."""
+    got, ref = got.float().cpu(), ref.float().cpu()
+    assert got.shape == ref.shape, f"{what}: shape {list(got.shape)} != {list(ref.shape)}"
+    assert torch.isfinite(got).all() and torch.isfinite(ref).all(), f"{what}: non-finite values"
+    diff = (got - ref).abs()
+    err, frac = diff.max().item(), (diff > 0).float().mean().item()
+    assert err <= atol, f"{what}: max abs error {err:.3g} > {atol:.3g}"
+    assert frac <= max_frac, f"{what}: {frac:.2%} of elements differ (allowed {max_frac:.2%})"
+
+
+def moe_args(T, H, E, I, Is, top_k, dtype, seed, hot=(), cold=()):
+    """Random MoE inputs, router logits O(1). Skew through a feature every token carries (x[:, 0] = 4):
+    experts in `hot` get +6 on their logit (picked by every token, yet the others keep weights ~1e-2,
+    visible in the output), experts in `cold` get -6 (picked by none)."""
+    g = torch.Generator().manual_seed(seed)
+    rn = lambda *s, scale=1.0: torch.randn(*s, generator=g) * scale
+    x, router = rn(T, H), rn(E, H, scale=H ** -0.5)
+    x[:, 0] = 4.0
+    router[list(hot), 0] = 1.5
+    router[list(cold), 0] = -1.5
+    t = lambda a: a.to(dtype).to(DEVICE)
+    return [t(x), t(router), t(rn(E, 2 * I, H, scale=H ** -0.5)), t(rn(E, H, I, scale=I ** -0.5)),
+            t(rn(Is, H, scale=H ** -0.5)), t(rn(Is, H, scale=H ** -0.5)), t(rn(H, Is, scale=Is ** -0.5)),
+            t(rn(1, H, scale=H ** -0.5)), top_k]
+
+
+CASES = [
+    # T, H, E, I, Is, top_k, hot, cold
+    (35, 48, 8, 24, 40, 3, (), (5,)),            # I != Is, neither a power of 2; one idle expert
+    (65, 40, 16, 32, 16, 2, (3,), (0, 1, 2, 9)), # expert 3 hit by all 65 tokens (several M-tiles), 4 idle
+    (200, 32, 16, 24, 24, 4, (7,), (0, 15)),     # BM = 64: expert 7 with 200 rows (4 tiles), others ragged
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T,H,E,I,Is,top_k,hot,cold", CASES)
+def test_prefill_matches_reference(T, H, E, I, Is, top_k, hot, cold, dtype):
+    args = moe_args(T, H, E, I, Is, top_k, dtype, seed=T, hot=hot, cold=cold)
+    assert T * top_k > E                                          # the op takes its prefill path
+    _, idx = route(args[0], args[1], top_k)
+    counts = torch.bincount(idx.flatten().cpu(), minlength=E)
+    assert all(counts[e] == T for e in hot) and all(counts[e] == 0 for e in cold), counts
+    got = ops.fused_moe_triton(*args)
+    ref = reference_fused_moe(*args)
+    if dtype == torch.float32:
+        compare(got, ref, 1e-4, 1.0, f"fp32 T={T}")
+    else:
+        compare(got, ref, 2e-2, 1e-3, f"bf16 T={T}")
+    # the op dispatched to the prefill kernels: same bits as calling them directly
+    w, idx = route(args[0], args[1], top_k)
+    assert torch.equal(got, prefill_mod.fused_moe_prefill(args[0], w, idx, *args[2:8]))
+
+
+@needs_triton
+def test_block_table_covers_every_row_once():
+    """The aten block table: each used block lies inside one expert's run of sorted rows, the used
+    blocks tile every row exactly once, unused blocks are empty, and NB is the static bound."""
+    g = torch.Generator().manual_seed(0)
+    E, BM = 6, 4
+    ids = torch.cat([torch.full((9,), 2), torch.full((4,), 5), torch.randint(0, 2, (7,), generator=g)])
+    ids = ids[torch.randperm(ids.numel(), generator=g)]          # experts 3, 4 idle; 2 spans 3 blocks
+    src, blk_e, blk_row, blk_end = prefill_mod._block_table(ids, E, BM)
+    R = ids.numel()
+    assert blk_e.numel() == -(-R // BM) + min(E, R)
+    assert torch.equal(ids[src], ids.sort(stable=True).values)
+    assert (src.diff()[ids[src][1:] == ids[src][:-1]] > 0).all()   # within an expert: original order
+    seen = torch.zeros(R, dtype=torch.int64)
+    for e, r0, r1 in zip(blk_e.tolist(), blk_row.tolist(), blk_end.tolist()):
+        if e == E:
+            assert r1 <= r0                                      # unused: exits at once
+            continue
+        rows = torch.arange(r0, min(r0 + BM, r1))
+        assert rows.numel() > 0 and (ids[src[rows]] == e).all()
+        seen[rows] += 1
+    assert (seen == 1).all()
+    assert (blk_e == E).sum() == blk_e.numel() - sum(-(-int((ids == e).sum()) // BM) for e in range(E))
+
+
+@needs_triton
+def test_prefill_opcheck():
+    """Schema and fake-tensor checks of the triton_op at a prefill shape (the fake runs the aten
+    block table on fake tensors: static shapes, no data-dependent sizes)."""
+    args = moe_args(20, 32, 8, 16, 24, 2, torch.float32, seed=3)
+    torch.library.opcheck(ops.fused_moe_triton.default, tuple(args), test_utils=("test_schema", "test_faketensor"))
+
+
+class _Moe(torch.nn.Module):
+    def forward(self, x, router, gu, down, sg, su, sd, sgw):
+        return ops.fused_moe(x, router, gu, down, sg, su, sd, sgw, 3)
+
+
+@needs_triton
+def test_prefill_export_swaps_in_triton_op():
+    """torch.export + the CUDA decomposition table at a prefill shape: the graph holds the triton_op
+    (its aten block table traced with static shapes) and computes what eager does, calling no Python
+    reference."""
+    args = moe_args(24, 32, 8, 16, 24, 3, torch.float32, seed=4, hot=(1,))
+    ep = torch.export.export(_Moe(), tuple(args[:8]), strict=False).run_decompositions(decompositions("cuda"))
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert "onegraph.fused_moe_triton.default" in targets and "onegraph.fused_moe.default" not in targets, targets
+    before = dict(PYTHON_CALLS)
+    got = ep.module()(*args[:8])
+    assert dict(PYTHON_CALLS) == before, "a Python reference ran inside the lowered program"
+    compare(got, reference_fused_moe(*args), 1e-4, 1.0, "exported")
+
+
+# ---------------------------------------------------------------- CUDA only: 35B-A3B shape
+
+@cuda_test
+@pytest.mark.parametrize("T,hot", [(512, ()), (512, (17,))])
+def test_fused_moe_prefill_35b(T, hot):
+    """hot=(17,): expert 17 takes all 512 tokens (32 M-tiles of BM = 16), the others share the rest."""
+    args = moe_args(T, 2048, 256, 512, 512, 8, BF16, seed=T, hot=hot)
+    compare(ops.fused_moe_triton(*args), reference_fused_moe(*args), 3e-2, 2e-2, f"35B prefill T={T} hot={hot}")
