@@ -132,7 +132,9 @@ def run(args) -> dict:
 
 
 def add_args(p) -> None:
-    p.add_argument("--preset", default="tiny", help="`tiny` or an HF-format model directory")
+    p.add_argument("--preset", default="tiny",
+                   help="`tiny`, an HF-format model directory, or `qwen3.5-35b-a3b` (CUDA: the real shape with "
+                        "random bf16 weights built on the device, lowered and replayed in memory; tools/bench_big.py)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
@@ -147,6 +149,12 @@ def add_args(p) -> None:
 
 
 def main(args) -> int:
+    if args.preset == "qwen3.5-35b-a3b":           # real shape, random weights built on the GPU: bench_big
+        from onegraph.tools import bench_big
+        if not args.out:
+            print("bench: --out is required for the qwen3.5-35b-a3b preset", file=sys.stderr)
+            return 2
+        return bench_big.main(["--batch", ",".join(map(str, args.batch_sizes)), "--profile", "--out", args.out])
     res = run(args)
     text = json.dumps(res, indent=2)
     if args.out:
