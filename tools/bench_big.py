@@ -86,6 +86,23 @@ def profile_regions(step, n: int):
     return regions, [{"kernel": k[:120], "us": round(v, 1)} for k, v in top]
 
 
+def step_parity(model, cap, state, tokens, slots, pos, samp, B, dev) -> dict:
+    """One replayed step vs one eager step from the same state (random weights, greedy): ids equal and
+    the max fp32 logit difference (the artifact fixture's bf16 bound is 0.25)."""
+    from onegraph.runtime.executor import Sampling
+    saved = [s.clone() for s in state]
+    ids_r, logits_r = (t.clone() for t in cap.step(tokens, slots, pos, samp, B))
+    for s, v in zip(state, saved):
+        s.copy_(v)
+    with torch.no_grad():
+        ids_e, logits_e = model.decode(tokens, slots, torch.tensor(pos, device=dev), *Sampling().tensors(B, dev),
+                                       *state)
+    for s, v in zip(state, saved):
+        s.copy_(v)
+    return {"ids_equal": bool(torch.equal(ids_r, ids_e)),
+            "max_logit_diff": round(float((logits_r.float() - logits_e.float()).abs().max()), 4)}
+
+
 def log(*a):
     print(*a, file=sys.stderr, flush=True)
 
@@ -117,6 +134,7 @@ def bench_batch(model, weights, B: int, args, dev, bw: float) -> dict:
     tokens = torch.arange(1, B + 1, device=dev)
     slots = torch.arange(B, device=dev)
     pos, samp = [args.position] * B, [Sampling()] * B
+    r["parity_vs_eager"] = step_parity(model, cap, state, tokens, slots, pos, samp, B, dev)
     for _ in range(5):
         cap.step(tokens, slots, pos, samp, B)
     torch.cuda.synchronize()
