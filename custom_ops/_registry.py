@@ -47,8 +47,9 @@ class OpSpec:
 REGISTRY: dict[str, OpSpec] = {}
 # Ops whose CUDA lowering is a hand-written Triton kernel (custom_ops/triton/<file>.py). Declared here,
 # not discovered, so a machine without triton fails closed instead of silently decomposing.
-TRITON_CUDA_OPS = frozenset({"gdn_decode_step", "fused_moe", "attention_decode",
-                             "rms_norm", "add_rms_norm", "gated_rms_norm"})
+TRITON_CUDA_OPS = frozenset({"gdn_decode_step", "gdn_prefill", "fused_moe", "attention_decode", "attention_prefill",
+                             "rms_norm", "add_rms_norm", "gated_rms_norm", "rope",
+                             "causal_conv_update", "causal_conv_prefill", "sample"})
 # (name, how) -> callable with the op's signature that export puts in the op's place.
 LOWERINGS: dict[tuple[str, str], Callable] = {}
 
@@ -71,8 +72,9 @@ def define_op(name: str, *, version: int, schema: str, reference: Callable, vali
     op = torch.library.custom_op(f"{NAMESPACE}::{name}", impl, mutates_args=(), schema=schema)
     op.register_fake(fake_impl)
     if lowerings is None:
-        lowerings = {"cpu": "decompose", "cuda": "triton" if name in TRITON_CUDA_OPS else "decompose",
-                     "xpu": "decompose"}
+        # XPU takes the same Triton source (Intel's Triton backend); untested: no XPU is available here
+        gpu = "triton" if name in TRITON_CUDA_OPS else "decompose"
+        lowerings = {"cpu": "decompose", "cuda": gpu, "xpu": gpu}
     REGISTRY[name] = OpSpec(name, version, schema, reference, op, dict(lowerings))
     return op
 

@@ -7,9 +7,15 @@ swaps them at export time and AOTInductor compiles the kernels into the artifact
 
 One file per op (kernel + launcher + triton_op), sharing `_common.py`:
   gdn_decode_step.py   one fused kernel: conv window + SiLU, gates, L2 norm, fp32 delta rule
+  gdn_prefill.py       chunked delta rule: WY/UT transform, sequential state pass, output (3 kernels)
   fused_moe.py         aten router, then SwiGLU(gate_up) and down + weighted combine + shared expert
+  fused_moe_prefill.py the T*k > E path of fused_moe: grouped GEMM over pairs sorted by expert
   attention_decode.py  GQA flash-decoding (split over the KV length) + combine
+  attention_prefill.py causal GQA flash attention of a chunk over its slot's KV cache
   norms.py             rms_norm, add_rms_norm, gated_rms_norm row kernels
+  rope.py              partial rotary embedding
+  causal_conv.py       causal_conv_update and causal_conv_prefill (depthwise conv + SiLU with state)
+  sample.py            greedy / Gumbel-max sampling with top-k / top-p, no vocabulary sort
 
 Without triton installed nothing is registered (AVAILABLE is False, IMPORT_ERROR says why) and the
 registry fails closed for every op whose CUDA lowering is "triton". This guarded import is the only
@@ -24,4 +30,5 @@ except ImportError as e:  # no triton: register no CUDA lowerings; the registry 
 else:
     AVAILABLE = True
     IMPORT_ERROR = None
-    from . import attention_decode, fused_moe, gdn_decode_step, norms  # noqa: F401  (register)
+    from . import (attention_decode, attention_prefill, causal_conv, fused_moe,  # noqa: F401  (register)
+                   gdn_decode_step, gdn_prefill, norms, rope, sample)

@@ -151,7 +151,8 @@ def attention_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     B, H, D = q.shape
     _, KVH, Tmax, _ = k_cache.shape
     block_n, nsplit = plan(B, KVH, Tmax, D)
-    return run(q, k_cache, v_cache, slots, positions, scale, block_n, nsplit)
+    # the kernel reads row b's index at ptr + b: an expanded (stride-0) index tensor must be made dense
+    return run(q, k_cache, v_cache, slots.contiguous(), positions.contiguous(), scale, block_n, nsplit)
 
 
 _registry.register_lowering("attention_decode", "triton", torch.ops.onegraph.attention_decode_triton.default)

@@ -26,9 +26,11 @@ from triton.runtime.jit import JITFunction
 from triton.backends.compiler import GPUTarget
 
 from .. import _registry
-from . import attention_decode, fused_moe, gdn_decode_step, norms
+from . import (attention_decode, attention_prefill, causal_conv, fused_moe, gdn_decode_step, gdn_prefill, norms,
+               rope, sample)
 
-MODULES = (attention_decode, fused_moe, gdn_decode_step, norms)
+MODULES = (attention_decode, attention_prefill, causal_conv, fused_moe, gdn_decode_step, gdn_prefill, norms, rope,
+           sample)
 SMEM_LIMIT = 232448            # bytes per block on sm_90 (227 KiB opt-in)
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
           torch.int32: "i32"}
@@ -52,6 +54,24 @@ def cases(B: int):
     yield "rms_norm", (torch.empty(B, 2048, **bf), torch.empty(2048, **bf), 1e-6)
     yield "add_rms_norm", (torch.empty(B, 2048, **bf), torch.empty(B, 2048, **bf), torch.empty(2048, **bf), 1e-6)
     yield "gated_rms_norm", (torch.empty(B * 32, 128, **bf), torch.empty(B * 32, 128, **bf), torch.empty(128, **bf), 1e-6)
+    yield "rope", (torch.empty(B, 16, 256, **bf), torch.empty(B, dtype=torch.int64, **m),
+                   torch.empty(32, dtype=torch.float32, **m))
+    yield "causal_conv_update", (torch.empty(B, 8192, **bf), torch.empty(S, 8192, 3, **bf),
+                                 torch.empty(B, dtype=torch.int64, **m), torch.empty(8192, 4, **bf))
+    yield "sample", (torch.empty(B, 248320, dtype=torch.float32, **m), torch.empty(B, dtype=torch.float32, **m),
+                     torch.empty(B, dtype=torch.int64, **m), torch.empty(B, dtype=torch.float32, **m),
+                     torch.empty(B, dtype=torch.int64, **m), torch.empty(B, dtype=torch.int64, **m))
+    # prefill ops at the largest chunk (2048 tokens), independent of B
+    yield "attention_prefill", (torch.empty(2048, 16, 256, **bf), torch.empty(S, 2, 4096, 256, **bf),
+                                torch.empty(S, 2, 4096, 256, **bf), torch.empty(1, dtype=torch.int64, **m),
+                                torch.empty(1, dtype=torch.int64, **m), 256 ** -0.5)
+    yield "gdn_prefill", (torch.empty(2048, 8192, **bf), torch.empty(2048, 32, dtype=torch.float32, **m),
+                          torch.empty(2048, 32, dtype=torch.float32, **m),
+                          torch.empty(S, 32, 128, 128, dtype=torch.float32, **m), torch.empty(1, dtype=torch.int64, **m),
+                          16, 64)
+    yield "causal_conv_prefill", (torch.empty(2048, 8192, **bf), torch.empty(S, 8192, 3, **bf),
+                                  torch.empty(1, dtype=torch.int64, **m), torch.empty(1, dtype=torch.int64, **m),
+                                  torch.empty(8192, 4, **bf))
 
 
 def record_launches(name, args):
