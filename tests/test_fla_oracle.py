@@ -27,17 +27,13 @@ order); 5e-3 against fla's chunk kernel (its products take tf32 inputs).
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_env import CUDA  # noqa: F401  (sets up the interpreter before any Triton kernel is defined)
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    # Test process only, before any Triton kernel is defined (fla's and ours), as test_triton_ops.py does.
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("fla", reason="flash-linear-attention (fla-core) is a test-only oracle: the `test` extra")
+pytest.importorskip("fla", reason="flash-linear-attention (fla-core) is a test-only oracle, carried to the GPU "
+                                  "as a wheel (see pyproject.toml)")
 from fla.ops.gated_delta_rule import naive_chunk_gated_delta_rule, naive_recurrent_gated_delta_rule  # noqa: E402
 from fla.ops.gated_delta_rule.gate import naive_gdn_gate  # noqa: E402
 

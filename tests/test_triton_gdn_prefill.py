@@ -29,15 +29,11 @@ from onegraph.custom_ops import PYTHON_CALLS, _registry
 from onegraph.custom_ops.gdn_decode_step import gdn_gates
 from onegraph.custom_ops.gdn_prefill import reference_gdn_prefill
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
-if not CUDA:
-    # Test process only, before the kernels are defined (triton.jit reads it then).
-    os.environ["TRITON_INTERPRET"] = "1"
+from triton_env import CUDA, DEVICE, INTERPRETED  # noqa: E402, F401
+
 pytest.importorskip("triton", reason="the Triton lowering needs triton (the `test` / `cuda` extra)")
 from onegraph.custom_ops.triton import gdn_prefill as prefill_mod  # noqa: E402
 
-INTERPRETED = type(prefill_mod._wy_kernel).__name__ == "InterpretedFunction"
 runs_kernels = pytest.mark.skipif(not CUDA and not INTERPRETED,
                                   reason="kernels were defined without TRITON_INTERPRET and there is no GPU")
 ops = torch.ops.onegraph

@@ -13,7 +13,6 @@ a rounding flips now and then: 3e-2 and 2% of elements there.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -21,21 +20,10 @@ import torch
 from onegraph.custom_ops import PYTHON_CALLS, decompositions
 from onegraph.custom_ops.fused_moe import reference_fused_moe, route
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
+from triton_env import CUDA, DEVICE, HAVE_TRITON, INTERPRETED, kernels, needs_triton  # noqa: F401
 
-if not CUDA:
-    # Test process only, before the kernels are defined (triton.jit reads it then).
-    os.environ["TRITON_INTERPRET"] = "1"
-from onegraph.custom_ops import triton as kernels  # noqa: E402
 if kernels.AVAILABLE:
     from onegraph.custom_ops.triton import fused_moe_prefill as prefill_mod
-
-HAVE_TRITON = kernels.AVAILABLE
-INTERPRETED = HAVE_TRITON and prefill_mod._INTERPRETED
-needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason=f"triton not installed ({kernels.IMPORT_ERROR})")
-if HAVE_TRITON and not CUDA and not INTERPRETED:
-    needs_triton = pytest.mark.skip(reason="kernels were defined without TRITON_INTERPRET and there is no GPU")
 
 
 def cuda_test(fn):

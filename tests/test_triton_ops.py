@@ -31,24 +31,11 @@ from onegraph.custom_ops.gated_rms_norm import reference_gated_rms_norm
 from onegraph.custom_ops.gdn_decode_step import reference_gdn_decode_step
 from onegraph.custom_ops.rms_norm import reference_rms_norm
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
+from triton_env import CUDA, DEVICE, HAVE_TRITON, INTERPRETED, cuda_only, kernels, needs_triton  # noqa: F401
 
-if not CUDA:
-    # Test process only, before the kernels are defined (triton.jit reads it then; triton also reads it
-    # lazily at the first launch, so it stays set for the process).
-    os.environ["TRITON_INTERPRET"] = "1"
-from onegraph.custom_ops import triton as kernels  # noqa: E402
 if kernels.AVAILABLE:
     from onegraph.custom_ops.triton import attention_decode as attn_mod
     from onegraph.custom_ops.triton import gdn_decode_step as gdn_mod
-
-HAVE_TRITON = kernels.AVAILABLE
-INTERPRETED = HAVE_TRITON and type(gdn_mod._gdn_decode_kernel).__name__ == "InterpretedFunction"
-needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason=f"triton not installed ({kernels.IMPORT_ERROR})")
-if HAVE_TRITON and not CUDA and not INTERPRETED:
-    needs_triton = pytest.mark.skip(reason="kernels were defined without TRITON_INTERPRET and there is no GPU")
-cuda_only = [pytest.mark.cuda, pytest.mark.skipif(not (CUDA and HAVE_TRITON), reason="needs a CUDA device and triton")]
 
 ops = torch.ops.onegraph
 DTYPES = [torch.float32, torch.bfloat16]

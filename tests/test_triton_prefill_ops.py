@@ -18,7 +18,6 @@ Tolerances (max abs error; the kernels reproduce the references' roundings to th
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -29,25 +28,13 @@ from onegraph.custom_ops.causal_conv_update import reference_causal_conv_update
 from onegraph.custom_ops.rope import reference_rope
 from onegraph.custom_ops.sample import reference_sample, uniform
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
+from triton_env import CUDA, DEVICE, HAVE_TRITON, INTERPRETED, kernels, needs_triton  # noqa: F401
 
-if not CUDA:
-    # Test process only, before the kernels are defined (triton.jit reads it then; triton also reads it
-    # lazily at the first launch, so it stays set for the process).
-    os.environ["TRITON_INTERPRET"] = "1"
-from onegraph.custom_ops import triton as kernels  # noqa: E402
 if kernels.AVAILABLE:
     from onegraph.custom_ops.triton import attention_prefill as attn_mod
     from onegraph.custom_ops.triton import causal_conv as conv_mod
     from onegraph.custom_ops.triton import rope as rope_mod  # noqa: F401  (registers rope_triton)
     from onegraph.custom_ops.triton import sample as sample_mod
-
-HAVE_TRITON = kernels.AVAILABLE
-INTERPRETED = HAVE_TRITON and type(attn_mod._prefill_kernel).__name__ == "InterpretedFunction"
-needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason=f"triton not installed ({kernels.IMPORT_ERROR})")
-if HAVE_TRITON and not CUDA and not INTERPRETED:
-    needs_triton = pytest.mark.skip(reason="kernels were defined without TRITON_INTERPRET and there is no GPU")
 
 ops = torch.ops.onegraph
 DTYPES = [torch.float32, torch.bfloat16]
