@@ -46,6 +46,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-ids")
 
 
+def add_tp_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp-timeout", type=float, default=300.0,
+                   help="tensor parallel (under torchrun): seconds a rank waits in a collective for a peer "
+                        "before it fails")
+
+
 def check_sampling(args) -> None:
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -134,19 +140,45 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def tp_follow(args, artifact: str, max_slots: int) -> int | None:
+    """Tensor parallel (under torchrun): join the process group; ranks > 0 replay rank 0's steps here
+    until it stops -> their exit code. None on rank 0 (and outside torchrun): it runs the engine.
+    Followers allocate the same slots as rank 0: the slot ids it broadcasts index their state too."""
+    from onegraph.runtime import tp as tpr
+    if not tpr.launched_by_torchrun():
+        return None
+    from onegraph.runtime.artifact import load_manifest
+    if args.tp_timeout <= 0:
+        raise UserError(f"--tp-timeout must be > 0 seconds, got {args.tp_timeout}")
+    rank, _ = tpr.init_from_torchrun(load_manifest(artifact, args.device)["device"]["type"], args.tp_timeout)
+    if rank == 0:
+        return None
+    import signal
+    from onegraph.runtime.executor import GraphExecutor
+    ex = GraphExecutor.from_artifact(artifact, max_slots=max_slots, device=args.device)
+    # rank 0 owns the lifetime: the SIGTERM/SIGINT that torchrun or a terminal sends every rank makes
+    # rank 0 shut down gracefully and release this rank (stop()); dying here first would fail rank 0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        ex.follow()
+    except RuntimeError as e:          # rank 0 exited or stopped answering: one line, not a traceback
+        print(f"onegraph {args.cmd}: error: tensor-parallel rank {rank}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        tpr.leave()
+    return 0
+
+
 def generate_artifact(args) -> int:
     from onegraph.runtime import Engine
+    from onegraph.runtime import tp as tpr
     if not is_artifact(args.model):
         raise UserError(f"{args.model} is not an exported artifact (no manifest.json); export it first with "
                         f"`onegraph export {args.model} --out DIR`, or pass --eager")
-    from onegraph.runtime import tp as tpr
-    if tpr.launched_by_torchrun():     # tensor parallel: rank 0 runs the engine, the others replay its steps
-        from onegraph.runtime.artifact import load_manifest
-        rank, _ = tpr.init_from_torchrun(load_manifest(args.model, args.device)["device"]["type"])
-        if rank > 0:
-            from onegraph.runtime.executor import GraphExecutor
-            GraphExecutor.from_artifact(args.model, max_slots=1, device=args.device).follow()
-            return 0
+    code = tp_follow(args, args.model, max_slots=1)
+    if code is not None:
+        return code
     engine = Engine.from_artifact(args.model, max_slots=1, device=args.device)
     try:
         cfg = engine.ex.manifest["model"]
@@ -154,8 +186,11 @@ def generate_artifact(args) -> int:
         stop = () if args.ignore_eos else tuple(cfg["eos_token_ids"])
         res = engine.generate(ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, stop)
     finally:
-        engine.close()
-        engine.ex.stop_followers()
+        engine.close()                 # also releases tensor-parallel followers
+        tpr.leave()
+    if engine.error is not None:       # e.g. a tensor-parallel peer died mid-step
+        print(f"onegraph generate: error: the engine failed: {engine.error}", file=sys.stderr)
+        return 1
     emit(args, ids, res.token_ids, res.finish_reason, tok, "artifact",
          {"fixture": engine.ex.fixture_report, "timings": res.timings})
     return 0
@@ -174,6 +209,9 @@ def cmd_serve(args) -> int:
         raise UserError(f"{args.artifact} is not an exported artifact (no manifest.json)")
     if args.max_slots < 1 or args.max_queue < 0:
         raise UserError("need --max-slots >= 1 and --max-queue >= 0")
+    code = tp_follow(args, args.artifact, args.max_slots)   # tensor parallel: rank 0 serves, the others follow
+    if code is not None:
+        return code
     engine = Engine.from_artifact(args.artifact, max_slots=args.max_slots, max_queue=args.max_queue,
                                   device=args.device)
     name = args.served_model_name or Path(args.artifact).resolve().name
@@ -210,7 +248,9 @@ def cmd_serve(args) -> int:
     try:
         server.run()
     finally:
-        engine.close()
+        engine.close()                 # also releases tensor-parallel followers
+        from onegraph.runtime import tp as tpr
+        tpr.leave()
     return 0
 
 
@@ -225,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eager", action="store_true", help="run the eager model (no graphs)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default=None, help="artifact device (default: the one it was exported for)")
+    add_tp_args(p)
     add_sampling_args(p)
     p.set_defaults(fn=cmd_generate)
 
@@ -264,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: artifact dir name)")
     p.add_argument("--device", default=None, help="artifact device (default: the one it was exported for)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_tp_args(p)
     p.set_defaults(fn=cmd_serve)
     return ap
 

@@ -194,6 +194,8 @@ class Engine:
             self.closed = True
             self.cv.notify()
         self.thread.join(timeout=30)
+        if not self.thread.is_alive() and self.error is None:
+            self.ex.stop_followers()          # tensor parallel: release ranks > 0 (no-op otherwise)
 
     # ---------------- engine thread ----------------
     def _finish(self, r: Request, reason: str):

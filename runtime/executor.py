@@ -9,7 +9,6 @@ bucket point at it with zero inputs.
 """
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
@@ -18,29 +17,33 @@ from onegraph.custom_ops.sample import Sampling  # noqa: F401  (re-exported: one
 
 from .artifact import ArtifactError, load_manifest, load_weights
 
-log = logging.getLogger("onegraph.runtime")
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64}
 
 
 
 class AotiGraph:
-    """One AOTInductor package with the artifact's weights bound (no copy)."""
+    """One AOTInductor package with the artifact's weights bound (no copy). `loader_cls`: a class with
+    torch._C._aoti.AOTIModelPackageLoader's interface to load it with (tensor parallel passes
+    runtime/tp.py's native().Loader); default torch's own."""
 
-    def __init__(self, path: Path, weights: dict[str, torch.Tensor], device: torch.device):
+    def __init__(self, path: Path, weights: dict[str, torch.Tensor], device: torch.device, loader_cls=None):
         from torch._inductor import aoti_load_package
+        index = -1 if device.index is None else device.index
         try:
-            self.runner = aoti_load_package(str(path), device_index=-1 if device.index is None else device.index,
-                                            run_single_threaded=device.type == "cuda")
+            if loader_cls is None:
+                self.loader = aoti_load_package(str(path), device_index=index,
+                                                run_single_threaded=device.type == "cuda").loader
+            else:          # the arguments aoti_load_package passes: package, model name, single-threaded, runners, index
+                self.loader = loader_cls(str(path), "model", device.type == "cuda", 1, index)
         except Exception as e:
             raise ArtifactError(f"cannot load graph {path.name}: {e}") from None
-        fqns = self.runner.get_constant_fqns()
+        fqns = self.loader.get_constant_fqns()
         missing = [f for f in fqns if f not in weights]
         if missing:
             raise ArtifactError(f"graph {path.name} needs weights missing from the artifact: {missing[:3]}")
-        self.runner.load_constants({f: weights[f] for f in fqns}, check_full_update=True, user_managed=True)
-        self.run = self.runner.loader.run          # list[Tensor] -> list[Tensor], no pytree overhead
-        self.run_with_stream = self.runner.loader.run   # (inputs, stream capsule): for CUDA-graph capture
+        self.loader.load_constants({f: weights[f] for f in fqns}, False, True, True)   # active, full, user-managed
+        self.run = self.loader.run                 # list[Tensor] -> list[Tensor], no pytree overhead
+        self.run_with_stream = self.loader.run     # (inputs, stream capsule): for CUDA-graph capture
 
 
 class GraphExecutor:
@@ -81,7 +84,12 @@ class GraphExecutor:
             loaded = {}
         else:
             weights = load_weights(m, dev)
-            loaded = {name: AotiGraph(Path(m["_root"]) / g["file"], weights, dev) for name, g in m["graphs"].items()}
+            loader_cls = None
+            if tp > 1:                             # graphs that wait on collectives must not hold the GIL
+                from .tp import native
+                loader_cls = native().Loader
+            loaded = {name: AotiGraph(Path(m["_root"]) / g["file"], weights, dev, loader_cls)
+                      for name, g in m["graphs"].items()}
             graphs = {name: g.run for name, g in loaded.items()}
         ex = cls(graphs, m["graphs"], m["state"], max_slots, m["max_seq_len"], m["model"]["vocab_size"], dev)
         ex.manifest = m
@@ -90,11 +98,10 @@ class GraphExecutor:
             from .tp import StepBroadcast
             ex.rank, ex.link = rank, StepBroadcast(m["graphs"], len(m["state"]), dev)
             check_parity = check_parity and rank == 0   # rank 0 checks while the others follow()
-            ex.path += f"+tp{tp}(experimental)"
-            # measured 2026-11-30: about 1 run in 6 deadlocks inside the graph's gloo all-reduce (a gloo
-            # worker waits for the GIL that loader.run holds); the collective timeout then ends it loudly
-            log.warning("tensor-parallel replay is experimental: an intermittent deadlock in the graph's "
-                        "gloo all-reduce is known (ended by the %ss collective timeout)", 300)
+            ex.path += f"+tp{tp}"
+            # a captured decode step would bypass StepBroadcast.lead (the followers would never see it),
+            # and NCCL collectives inside a captured AOTI graph are unverified: TP replays uncaptured
+            cuda_graphs = False
         if cuda_graphs and dev.type == "cuda" and loaded:
             from .cuda_graphs import CapturedDecode
             ex.captured = {g["bucket"]: CapturedDecode(loaded[name].run_with_stream, g["bucket"], ex.state,

@@ -1,23 +1,50 @@
 """Tensor-parallel replay: every rank replays its own graphs (its weight shard, collectives inside
 the graph); rank 0 decides what runs and broadcasts each step to the others.
 
-Protocol, per graph call on rank 0 (the leader): a header [graph index] (or [-1] = stop), then the
-graph's non-state inputs (tokens, slots, positions, sampling), each broadcast from rank 0. Ranks
-> 0 (followers) sit in `follow()`, allocate the inputs from the graph signature, receive them and
-replay the same graph with their own state. Both sides then meet in the graph's own all-reduces.
+Protocol, per graph call on rank 0 (the leader): ONE broadcast of a packed byte buffer holding a
+header [graph index] (or [-1] = stop) and that graph's non-state inputs (tokens, slots, positions,
+sampling). Ranks > 0 (followers) sit in `follow()`; the inputs they pass to the graph are views into
+the received buffer (no copies), and they replay the same graph with their own state. Both sides
+then meet in the graph's own all-reduces.
 
-Launched by torchrun (`torchrun --nproc-per-node N -m onegraph generate ARTIFACT ...`): the process
-group comes from torchrun's environment; gloo on CPU, NCCL on CUDA. A collective timeout makes a rank
-whose peer died exit with an error instead of hanging.
+Issue #8 (1 TP run in 6 deadlocked; py-spy: a `pt_gloo_runloop` thread in runLoop -> ~AsyncWork ->
+TensorImpl::decref_pyobject -> gil_scoped_acquire, the main thread in loader.run -> all_reduce_ ->
+ProcessGroupGloo::enqueue -> pthread_mutex_lock): a gloo worker thread needs the GIL whenever it drops the last C++ reference to a tensor that has a Python object (torch must
+decref that object: TensorImpl::decref_pyobject), and it does so holding its group's work-queue
+mutex, while torch's binding of AOTInductor's `run` holds the GIL for the whole graph, whose next
+collective waits on that mutex: a deadlock. (At interpreter exit the same release aborts the process:
+'terminate called without an active exception'.) Two kinds of tensor did it: the broadcast buffer,
+and the all-gather's tensors, because the graph calls the all-gather through the dispatcher and torch
+registers a *Python* autograd kernel for functional collectives (torch/_library/autograd.py ran on
+every graph call, wrapping them in Python objects). `native()` builds a small C++ module that
+removes every part of this:
+- Loader.run runs the graph without the GIL and below autograd (no Python kernel, no Python objects
+  on the collectives' tensors), and returns the outputs as fresh aliases, so a Python object never
+  lands on a tensor that a collective's work may still hold;
+- pin() keeps one extra C++ reference to the broadcast buffer, so no collective drops its last one.
+NCCL's watchdog thread releases its works' tensors the same way, so CUDA runs the same code.
+
+Launched by torchrun (`torchrun --nproc-per-node N -m onegraph generate|serve ARTIFACT ...`): the
+process group comes from torchrun's environment; gloo on CPU, NCCL on CUDA. The collective timeout
+(`--tp-timeout`) bounds how long a rank waits for a peer that stopped answering; a peer that exits
+closes its connections and the others fail at their next collective.
 """
 from __future__ import annotations
 
 import datetime
+import functools
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-TIMEOUT_S = 300
+DEFAULT_TIMEOUT_S = 300
 
 
 def launched_by_torchrun() -> bool:
@@ -25,61 +52,147 @@ def launched_by_torchrun() -> bool:
     return dist.is_torchelastic_launched()
 
 
-def init_from_torchrun(device_type: str) -> tuple[int, int]:
+def init_from_torchrun(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
     """Join torchrun's process group (once) -> (rank, world size); (0, 1) outside torchrun."""
     if not launched_by_torchrun():
         return 0, 1
+    if timeout_s <= 0:
+        raise ValueError(f"the tensor-parallel collective timeout must be > 0 s, got {timeout_s}")
     if not dist.is_initialized():
+        if device_type == "cuda":            # one GPU per rank on each node; "cuda" then means this one
+            torch.cuda.set_device(dist.get_node_local_rank())
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(seconds=TIMEOUT_S))
+                                timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
 
 
+def leave() -> None:
+    """Destroy the process group before exit (no-op outside one)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# The GIL-free runner and pin() (module docstring: why). Loader has torch._C._aoti.AOTIModelPackageLoader's
+# interface (what AotiGraph uses of it).
+_NATIVE_SRC = r"""
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/ops/alias.h>
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+#include <torch/csrc/utils/pybind.h>
+
+using Loader = torch::inductor::AOTIModelPackageLoader;
+
+// inputs are converted under the GIL; the graph runs without it, and below autograd: the ops it calls
+// through the dispatcher (the all-gather) skip torch's Python autograd kernels for functional collectives
+static std::vector<at::Tensor> run(Loader& self, const std::vector<at::Tensor>& inputs, void* stream) {
+  py::gil_scoped_release no_gil;
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  std::vector<at::Tensor> out = self.run(inputs, stream);
+  for (auto& t : out) t = at::alias(t);   // a new TensorImpl: a collective's work may hold the original
+  return out;
+}
+
+PYBIND11_MODULE(onegraph_native, m) {
+  py::class_<Loader>(m, "Loader", py::module_local())
+      // (package path, model name, run_single_threaded, num_runners, device_index)
+      .def(py::init<const std::string&, const std::string&, bool, size_t, c10::DeviceIndex>())
+      .def("get_constant_fqns", &Loader::get_constant_fqns)
+      .def("load_constants", [](Loader& self, std::unordered_map<std::string, at::Tensor>& constants,
+                                bool use_inactive, bool check_full_update, bool user_managed) {
+        self.load_constants(constants, use_inactive, check_full_update, user_managed);
+      })
+      .def("run", &run, py::arg("inputs"), py::arg("stream_handle") = nullptr);
+  // one more C++ reference to t for the life of the process (called under the GIL)
+  m.def("pin", [](const at::Tensor& t) { static auto* kept = new std::vector<at::Tensor>(); kept->push_back(t); });
+}
+"""
+
+
+@functools.cache
+def native():
+    """The module above, built once with g++ (which AOTInductor needs anyway; about 10 s) into
+    ~/.cache/onegraph, keyed by its source, torch and Python versions."""
+    from torch.utils import cpp_extension
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    key = hashlib.sha256(f"{_NATIVE_SRC}{torch.__version__}{suffix}".encode()).hexdigest()[:16]
+    out = Path.home() / ".cache" / "onegraph" / f"native-{key}" / f"onegraph_native{suffix}"
+    if not out.is_file():
+        if shutil.which("g++") is None:
+            raise RuntimeError("tensor parallel needs g++ (as AOTInductor does) to build onegraph's native runner")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.parent / f"build-{os.getpid()}"            # ranks may build at once: each its own file
+        tmp.with_suffix(".cpp").write_text(_NATIVE_SRC)
+        cmd = ["g++", "-shared", "-fPIC", "-O1", "-std=c++17", "-w",
+               f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+               str(tmp.with_suffix(".cpp")), "-o", str(tmp.with_suffix(".so")),
+               *[f"-I{p}" for p in cpp_extension.include_paths()], f"-I{sysconfig.get_paths()['include']}",
+               *[f"-L{p}" for p in cpp_extension.library_paths()],
+               *[f"-Wl,-rpath,{p}" for p in cpp_extension.library_paths()],
+               "-ltorch", "-ltorch_cpu", "-lc10", "-ltorch_python"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        tmp.with_suffix(".cpp").unlink()
+        if r.returncode:
+            raise RuntimeError("tensor parallel: building onegraph's native runner failed "
+                               f"({' '.join(cmd)}):\n{r.stderr[-3000:]}")
+        os.replace(tmp.with_suffix(".so"), out)                # atomic: a reader never sees half a file
+    spec = importlib.util.spec_from_file_location("onegraph_native", out)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 class StepBroadcast:
-    """Rank 0 -> all: which graph runs next and its non-state inputs."""
+    """Rank 0 -> all: which graph runs next and its non-state inputs, as one broadcast per step."""
 
     def __init__(self, graph_meta: dict, n_state: int, device: torch.device):
         from .executor import DTYPES
         self.names = sorted(graph_meta)
-        self.device = device
-        # Persistent buffers for the header and each graph's non-state inputs (all static shapes),
-        # never freed: a tensor whose last reference a gloo worker thread drops would need the GIL
-        # there (torch keeps a dead Python wrapper alive inside it), while this thread holds the GIL
-        # inside the graph waiting on that worker's collective: a deadlock, seen with per-call tensors.
-        self.header = torch.zeros(1, dtype=torch.int64, device=device)
-        self.inputs = {n: [torch.zeros(i["shape"], dtype=DTYPES[i["dtype"]], device=device)
-                           for i in graph_meta[n]["inputs"][:-n_state]] for n in self.names}
-        self.rank = dist.get_rank()
-
-    def _header(self, value: int) -> torch.Tensor:
-        self.header.fill_(value)
-        dist.broadcast(self.header, 0)
-        return self.header
+        # one persistent byte buffer [8-byte int64 header | inputs of the largest graph], every input
+        # 8-byte aligned; self.inputs[name] are typed views into it (all shapes are static)
+        layout, size = {}, 8
+        for n in self.names:
+            off, views = 8, []
+            for i in graph_meta[n]["inputs"][:-n_state]:
+                dtype = DTYPES[i["dtype"]]
+                nbytes = torch.Size(i["shape"]).numel() * dtype.itemsize
+                views.append((off, nbytes, dtype, i["shape"]))
+                off += -(-nbytes // 8) * 8
+            layout[n], size = views, max(size, off)
+        self.buf = torch.zeros(size, dtype=torch.uint8, device=device)
+        native().pin(self.buf)                 # its broadcasts never drop the last C++ reference to it
+        self.header = self.buf[:8].view(torch.int64)                           # [1]
+        self.inputs = {n: [self.buf[o:o + nb].view(dt).view(shape) for o, nb, dt, shape in layout[n]]
+                       for n in self.names}
+        self.stopped = False
 
     def lead(self, name: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        self._header(self.names.index(name))
-        bufs = self.inputs[name]
-        for b, t in zip(bufs, inputs, strict=True):
-            b.copy_(t)
-            dist.broadcast(b, 0)
-        return bufs
+        """Rank 0: send graph `name` and its inputs -> the same inputs, as views into the sent buffer."""
+        if self.stopped:
+            raise RuntimeError("tensor parallel: the other ranks were already released (stop())")
+        self.header.fill_(self.names.index(name))
+        views = self.inputs[name]
+        for v, t in zip(views, inputs, strict=True):
+            v.copy_(t)
+        dist.broadcast(self.buf, 0)
+        return views
 
     def stop(self) -> None:
-        """Rank 0: release the followers (they return from follow())."""
-        self._header(-1)
+        """Rank 0: release the followers (they return from follow()); once."""
+        if not self.stopped:
+            self.stopped = True
+            self.header.fill_(-1)
+            dist.broadcast(self.buf, 0)
 
     def follow(self, run) -> int:
         """Ranks > 0: replay what rank 0 broadcasts until it stops -> number of graph calls."""
         n = 0
         while True:
-            idx = int(self._header(0)[0])
+            dist.broadcast(self.buf, 0)
+            idx = int(self.header[0])
             if idx < 0:
                 return n
             name = self.names[idx]
-            inputs = self.inputs[name]
-            for t in inputs:
-                dist.broadcast(t, 0)
-            run(name, inputs)
+            run(name, self.inputs[name])
             n += 1
 
 
