@@ -2,7 +2,8 @@
 random weights built on the device: replayed CUDA graph of the lowered decode graph vs the same
 onegraph model eager, and the bandwidth limit measured in the same run.
 
-    python -m onegraph.tools.bench_big --batch 1 --out benchmarks/h200_35b_bs1.json
+    python -m onegraph.tools.bench_big --batch 1,64 --profile --out benchmarks/h200_35b.json
+    python -m onegraph.tools.bench_big --batch 1 --prefill 512,2048 --out ttft.json     # + TTFT per prompt length
 
 The 69 GB of bf16 weights cannot be written to an artifact on the device's 64 GB disk, so this
 bench lowers the decode graph into a temporary package and binds the in-memory weights to it
@@ -99,35 +100,86 @@ def step_parity(model, cap, state, tokens, slots, pos, samp, B, dev) -> dict:
                                        *state)
     for s, v in zip(state, saved):
         s.copy_(v)
+    top2 = logits_e.float().topk(2, dim=-1).values                           # [B, 2]
     return {"ids_equal": bool(torch.equal(ids_r, ids_e)),
-            "max_logit_diff": round(float((logits_r.float() - logits_e.float()).abs().max()), 4)}
+            "max_logit_diff": round(float((logits_r.float() - logits_e.float()).abs().max()), 4),
+            "logit_std": round(float(logits_e.float().std()), 3),
+            "min_top2_gap": round(float((top2[:, 0] - top2[:, 1]).min()), 4)}
 
 
 def log(*a):
     print(*a, file=sys.stderr, flush=True)
 
 
-def bench_batch(model, weights, B: int, args, dev, bw: float) -> dict:
-    """Lower the decode graph for B rows, capture it, time replay and eager -> one result row."""
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def lower(model, weights, kind: str, bucket: int, args, dev, r: dict):
+    """Trace + lower one graph and bind the in-memory weights -> AotiGraph; timings go into r."""
     from onegraph.export.aoti import lower_aoti
     from onegraph.export.entry import graph_spec
     from onegraph.export.trace import trace
-    from onegraph.graphs.qwen3_5 import new_state
-    from onegraph.runtime.cuda_graphs import CapturedDecode
-    from onegraph.runtime.executor import AotiGraph, Sampling
-    cfg, r = model.cfg, {"batch": B}
-    spec = graph_spec(model, "decode", B, args.max_seq_len, torch.bfloat16)
+    from onegraph.runtime.executor import AotiGraph
+    dtype = model.embed_tokens.weight.dtype
     t = time.time()
-    ep, hist = trace(model, spec, dev, args.kernels)
+    ep, hist = trace(model, graph_spec(model, kind, bucket, args.max_seq_len, dtype), dev, args.kernels)
     r["trace_s"] = round(time.time() - t, 1)
     r["graph_nodes"] = sum(hist.values())
     t = time.time()
-    pkg = lower_aoti(ep, Path(tempfile.mkdtemp()) / "decode.pt2", eager_rounding=True)
+    pkg = lower_aoti(ep, Path(tempfile.mkdtemp()) / f"{kind}.pt2", eager_rounding=True)
     r["compile_s"] = round(time.time() - t, 1)
-    log("batch", B, "trace_s", r["trace_s"], "compile_s", r["compile_s"])
+    log(kind, bucket, "trace_s", r["trace_s"], "compile_s", r["compile_s"])
     del ep
+    return AotiGraph(pkg, weights, dev)
+
+
+def bench_prefill(model, weights, T: int, args, dev) -> dict:
+    """TTFT of a T-token prompt into an empty slot as ONE prefill graph call of chunk T (the artifact's
+    largest chunk bucket would be T), lowered vs the same model eager, plus ids/logits parity."""
+    from onegraph.graphs.qwen3_5 import new_state
+    from onegraph.runtime.executor import Sampling
+    r = {"prompt_tokens": T}
+    graph = lower(model, weights, "prefill", T, args, dev, r)
+    state = new_state(model.cfg, 1, args.max_seq_len, model.embed_tokens.weight.dtype, dev)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    one = lambda v: torch.tensor([v], device=dev)  # noqa: E731
+    head = [torch.randint(0, model.cfg.vocab_size, (T,), generator=g).to(dev), one(0), one(0), one(T),
+            *Sampling().tensors(1, dev)]
+
+    def timed(fn, reps):
+        fn()
+        _sync(dev)
+        t = time.perf_counter()
+        for _ in range(reps):
+            out = fn()
+        _sync(dev)
+        return (time.perf_counter() - t) / reps * 1e3, out
+
+    with torch.no_grad():
+        ms, (ids_r, logits_r) = timed(lambda: graph.run(head + state), args.prefill_reps)
+        ids_r, logits_r = ids_r.clone(), logits_r.clone()
+        e_ms, (ids_e, logits_e) = timed(lambda: model.prefill(*head, *state), 1)
+    r.update({"ttft_ms": round(ms, 2), "prefill_tok_s": round(T / ms * 1e3, 1), "eager_ms": round(e_ms, 2),
+              "speedup_vs_eager": round(e_ms / ms, 2),
+              "parity_vs_eager": {"ids_equal": bool(torch.equal(ids_r, ids_e)),
+                                  "max_logit_diff": round(float((logits_r.float() - logits_e.float()).abs().max()), 4),
+                                  "logit_std": round(float(logits_e.float().std()), 3)}})
+    del graph, state
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return r
+
+
+def bench_batch(model, weights, B: int, args, dev, bw: float) -> dict:
+    """Lower the decode graph for B rows, capture it, time replay and eager -> one result row."""
+    from onegraph.graphs.qwen3_5 import new_state
+    from onegraph.runtime.cuda_graphs import CapturedDecode
+    from onegraph.runtime.executor import Sampling
+    cfg, r = model.cfg, {"batch": B}
+    graph = lower(model, weights, "decode", B, args, dev, r)
     t = time.time()
-    graph = AotiGraph(pkg, weights, dev)
     state = new_state(cfg, B, args.max_seq_len, torch.bfloat16, dev)
     cap = CapturedDecode(graph.run_with_stream, B, state, B, dev)
     r["load_and_capture_s"] = round(time.time() - t, 1)
@@ -176,6 +228,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--eager-steps", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="per-region kernel breakdown (torch profiler)")
+    ap.add_argument("--prefill", type=lambda v: [int(x) for x in v.split(",")], default=[],
+                    help="comma-separated prompt lengths: TTFT as one prefill graph of that chunk each")
+    ap.add_argument("--prefill-reps", type=int, default=3)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -196,13 +251,18 @@ def main(argv=None) -> int:
     res["copy_bandwidth_GBps"] = round(copy_bandwidth(dev) / 1e9, 1)
     weights = {f"model.{n}": p for n, p in model.named_parameters()}
     weights.update({f"model.{n}": b for n, b in model.named_buffers()})
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     res["batches"] = []
     for B in args.batch:
         r = bench_batch(model, weights, B, args, dev, res["copy_bandwidth_GBps"] * 1e9)
         res["batches"].append(r)
         log(json.dumps(r))
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=2) + "\n")     # partial results survive a kill
+    res["prefill"] = []
+    for T in args.prefill:
+        res["prefill"].append(bench_prefill(model, weights, T, args, dev))
+        log(json.dumps(res["prefill"][-1]))
+        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps(res, indent=2))
     return 0
 
