@@ -156,9 +156,9 @@ def tp2_artifact(tmp_path_factory):
     return out
 
 
-def _torchrun(*args) -> list[str]:
-    """`torchrun --standalone --nproc-per-node 2 -m onegraph ARGS` (a free rendezvous port each time)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+def _torchrun(*args, nproc: int = 2) -> list[str]:
+    """`torchrun --standalone --nproc-per-node N -m onegraph ARGS` (a free rendezvous port each time)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
             "-m", "onegraph", *map(str, args)]
 
 
@@ -177,6 +177,24 @@ def test_tp2_artifact_replay_matches_tp1(tiny, tp2_artifact):
     ids, i = got["token_ids"], _first_diff(got["token_ids"], ref)
     assert ids == ref, f"TP-2 replay first differing token at step {i}: {ids[i]} vs TP-1 {ref[i]}"
     assert got["fixture"]["max_logit_diff"] <= LOGIT_TOL       # rank 0's load-time check vs TP-1 eager
+
+
+def test_tp4_artifact_replay_matches_tp1(tiny, tmp_path):
+    """TP-4 on 4 CPU processes (issue #9's CPU part): tiny's 2 KV heads and 2 GDN key heads are replicated
+    across the 4 ranks. Its own export: 4 ranks x 2 graphs, about 3 minutes on 2 cores."""
+    from onegraph.export.pipeline import ExportOptions, export
+    _, model = tiny
+    art = tmp_path / "tiny_tp4"
+    export("tiny", art, ExportOptions(tp=4, batch_sizes=(1,), prefill_chunks=(16,), max_seq_len=64), progress=False)
+    ref = generate_eager(model, PROMPT, STEPS, max_seq_len=64).token_ids
+    r = subprocess.run(_torchrun("generate", art, "--prompt-ids", ",".join(map(str, PROMPT)),
+                                 "--max-new-tokens", STEPS, "--ignore-eos", "--json", nproc=4),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    ids, i = got["token_ids"], _first_diff(got["token_ids"], ref)
+    assert ids == ref, f"TP-4 replay first differing token at step {i}: {ids[i]} vs TP-1 {ref[i]}"
+    assert got["fixture"]["max_logit_diff"] <= LOGIT_TOL
 
 
 def test_tp2_serve_under_torchrun(tiny, tp2_artifact):
