@@ -21,3 +21,14 @@ def test_series_from_both_json_shapes():
 def test_plot_usage_error():
     r = subprocess.run([sys.executable, "-m", "onegraph.tools.plot"], capture_output=True, text=True)
     assert r.returncode == 2 and "usage" in r.stderr
+
+
+def test_big_preset_user_errors(tmp_path):
+    """`onegraph bench --preset qwen3.5-35b-a3b`: no --out, or no CUDA device -> one line, exit 2."""
+    import torch
+    base = [sys.executable, "-m", "onegraph", "bench", "--preset", "qwen3.5-35b-a3b"]
+    r = subprocess.run(base, capture_output=True, text=True)
+    assert r.returncode == 2 and "--out is required" in r.stderr
+    if not torch.cuda.is_available():
+        r = subprocess.run(base + ["--out", str(tmp_path / "x.json")], capture_output=True, text=True)
+        assert r.returncode == 2 and "needs a CUDA device" in r.stderr and "Traceback" not in r.stderr
