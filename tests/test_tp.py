@@ -171,17 +171,22 @@ def _first_diff(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
-def test_tp2_artifact_replay_matches_tp1(tiny, tp2_artifact):
-    _, model = tiny
+def _replay_matches_tp1(model, art, nproc: int, timeout: int):
+    """`torchrun generate` of a TP-N artifact gives TP-1 eager's greedy ids; rank 0's load-time fixture
+    check vs TP-1 eager is within LOGIT_TOL."""
     ref = generate_eager(model, PROMPT, STEPS, max_seq_len=64).token_ids
-    r = subprocess.run(_torchrun("generate", tp2_artifact, "--prompt-ids", ",".join(map(str, PROMPT)),
-                                 "--max-new-tokens", STEPS, "--ignore-eos", "--json"),
-                       capture_output=True, text=True, timeout=240)
+    r = subprocess.run(_torchrun("generate", art, "--prompt-ids", ",".join(map(str, PROMPT)),
+                                 "--max-new-tokens", STEPS, "--ignore-eos", "--json", nproc=nproc),
+                       capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stderr[-4000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     ids, i = got["token_ids"], _first_diff(got["token_ids"], ref)
-    assert ids == ref, f"TP-2 replay first differing token at step {i}: {ids[i]} vs TP-1 {ref[i]}"
-    assert got["fixture"]["max_logit_diff"] <= LOGIT_TOL       # rank 0's load-time check vs TP-1 eager
+    assert ids == ref, f"TP-{nproc} replay first differing token at step {i}: {ids[i]} vs TP-1 {ref[i]}"
+    assert got["fixture"]["max_logit_diff"] <= LOGIT_TOL
+
+
+def test_tp2_artifact_replay_matches_tp1(tiny, tp2_artifact):
+    _replay_matches_tp1(tiny[1], tp2_artifact, 2, 240)
 
 
 def test_tp4_artifact_replay_matches_tp1(tiny, tmp_path):
@@ -191,15 +196,7 @@ def test_tp4_artifact_replay_matches_tp1(tiny, tmp_path):
     _, model = tiny
     art = tmp_path / "tiny_tp4"
     export("tiny", art, ExportOptions(tp=4, batch_sizes=(1,), prefill_chunks=(16,), max_seq_len=64), progress=False)
-    ref = generate_eager(model, PROMPT, STEPS, max_seq_len=64).token_ids
-    r = subprocess.run(_torchrun("generate", art, "--prompt-ids", ",".join(map(str, PROMPT)),
-                                 "--max-new-tokens", STEPS, "--ignore-eos", "--json", nproc=4),
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-4000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
-    ids, i = got["token_ids"], _first_diff(got["token_ids"], ref)
-    assert ids == ref, f"TP-4 replay first differing token at step {i}: {ids[i]} vs TP-1 {ref[i]}"
-    assert got["fixture"]["max_logit_diff"] <= LOGIT_TOL
+    _replay_matches_tp1(model, art, 4, 300)
 
 
 def test_tp2_serve_under_torchrun(tiny, tp2_artifact):
