@@ -1,9 +1,10 @@
 """CUDA-graph replay of the lowered decode graphs: one capture per decode bucket, static buffers.
 
-A step is: copy this step's inputs into the bucket's static input tensors (tokens/slots device to
-device, positions and sampling from a pinned host staging tensor) -> `graph.replay()`. The state
-tensors are the executor's own (fixed addresses), so prefill graphs (run uncaptured) and every
-captured bucket share one state.
+A step is: the host writes the rows' slots, positions and sampling parameters into pinned staging
+(numpy, no torch call), one H2D copy, `graph.replay()`. The captured graph gathers the input tokens
+from the executor's `last_tok` (the ids sampled by the previous step, never through the host) and
+scatters the new ids back. The state tensors are the executor's own (fixed addresses), so prefill
+graphs (run uncaptured) and every captured bucket share one state.
 
 Capture follows what was measured on the H200 image (FACTS.md): the package is loaded with
 `run_single_threaded=True`, captured on a side stream, and that stream is handed to
@@ -13,6 +14,7 @@ row at the scratch slot, so no request's state is touched.
 from __future__ import annotations
 
 import ctypes
+import time
 
 import torch
 
@@ -25,67 +27,94 @@ def stream_capsule(stream: torch.cuda.Stream):
     return _capsule_new(ctypes.c_void_p(stream.cuda_stream), None, None)
 
 
-def stage_rows(B: int, positions, sampling) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-step scalars of n <= B rows, padded to B, built with one tensor per dtype (not 5·B element
-    writes on the hot path): -> (int64 [3, B]: position, top_k, seed; fp32 [2, B]: temperature, top_p).
-    Padding rows: zeros, top_p 1 (greedy on the scratch slot)."""
-    pad = B - len(positions)
-    ints = torch.tensor([list(positions) + [0] * pad, [s.top_k for s in sampling] + [0] * pad,
-                         [s.seed for s in sampling] + [0] * pad], dtype=torch.int64)
-    floats = torch.tensor([[s.temperature for s in sampling] + [0.0] * pad,
-                           [s.top_p for s in sampling] + [1.0] * pad], dtype=torch.float32)
-    return ints, floats
+def split(buf: torch.Tensor, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A staging byte buffer -> views (int64 [4, B]: slots, positions, top_k, seed; fp32 [2, B]:
+    temperature, top_p)."""
+    return buf[:32 * B].view(torch.int64).view(4, B), buf[32 * B:].view(torch.float32).view(2, B)
+
+
+class Staging:
+    """One step's per-row inputs of a bucket of B rows, in one (pinned) host byte buffer that a single
+    H2D copy moves; written through numpy views, so filling it costs no torch call."""
+
+    def __init__(self, B: int, scratch: int, pin: bool):
+        self.B, self.scratch = B, scratch
+        buf = torch.zeros(4 * B * 8 + 2 * B * 4, dtype=torch.uint8)
+        self.bytes = buf.pin_memory() if pin else buf
+        self.ints, self.floats = split(self.bytes, B)
+        self._i, self._f = self.ints.numpy(), self.floats.numpy()
+        self.fill([], [], [])
+
+    def fill(self, slots: list[int], positions: list[int], sampling) -> None:
+        """n <= B rows; rows n..B-1 are padding: the scratch slot, position 0, greedy (top_p 1)."""
+        n, i, f = len(slots), self._i, self._f
+        i[0, :n] = slots
+        i[1, :n] = positions
+        i[2, :n] = [s.top_k for s in sampling]
+        i[3, :n] = [s.seed for s in sampling]
+        f[0, :n] = [s.temperature for s in sampling]
+        f[1, :n] = [s.top_p for s in sampling]
+        if n < self.B:
+            i[0, n:] = self.scratch
+            i[1:, n:] = 0
+            f[0, n:], f[1, n:] = 0.0, 1.0
 
 
 class CapturedDecode:
-    """One decode bucket captured as a CUDA graph around the AOTInductor call."""
+    """One decode bucket captured as a CUDA graph around the AOTInductor call, with the per-step glue
+    inside it, so that a step costs the host one H2D copy and one replay:
 
-    def __init__(self, run_with_stream, B: int, state: list[torch.Tensor], scratch: int, device: torch.device):
-        self.B = B
-        d = device
-        z64 = lambda fill=0: torch.full((B,), fill, dtype=torch.int64, device=d)  # noqa: E731
-        self.tokens, self.slots, self.positions = z64(), z64(scratch), z64()
-        self.temperature = torch.zeros(B, dtype=torch.float32, device=d)
-        self.top_k, self.seed = z64(), z64()
-        self.top_p = torch.ones(B, dtype=torch.float32, device=d)
-        # pinned host staging for the per-step scalars: positions, top_k, seed (int64) / temperature, top_p
-        # (fp32). Two of each, alternated: the engine has read (synchronised) step t-2 before it fills the
-        # staging of step t, so the buffer being overwritten is never still in flight.
-        self.host_i = [torch.zeros(3, B, dtype=torch.int64).pin_memory() for _ in range(2)]
-        self.host_f = [torch.zeros(2, B, dtype=torch.float32).pin_memory() for _ in range(2)]
+      host (numpy into pinned staging): slots, positions, top_k, seed (int64) | temperature, top_p (fp32)
+      -> one non-blocking H2D copy of the staging bytes
+      -> replay: unpack the staging into the graph's static inputs, tokens = last_tok[slots] (the ids
+         sampled by the previous step stay on the device), the lowered decode, last_tok[slots] = ids.
+
+    Padding rows point at the scratch slot with zero inputs (greedy, top_p 1; last_tok[scratch] is
+    zeroed after each step). Two pinned stagings alternate: the engine has read (synchronised)
+    step t-2 before it fills the staging of step t, so the one being overwritten is never in flight."""
+
+    def __init__(self, run_with_stream, B: int, state: list[torch.Tensor], last_tok: torch.Tensor, scratch: int,
+                 device: torch.device):
+        self.B, d = B, device
+        # two stagings alternate: the engine has read (synchronised) step t-2 before it fills step t's
+        self.host = [Staging(B, scratch, pin=True) for _ in range(2)]
         self.flip = 0
+        self.dev = self.host[0].bytes.to(d)                # device copy of the staging, unpacked in the graph
+        dev_i, dev_f = split(self.dev, B)
+        z = lambda dt: torch.zeros(B, dtype=dt, device=d)  # noqa: E731
+        self.tokens, self.slots, self.positions = z(torch.int64), z(torch.int64), z(torch.int64)
+        self.temperature, self.top_k, self.top_p, self.seed = z(torch.float32), z(torch.int64), z(torch.float32), z(torch.int64)
         inputs = [self.tokens, self.slots, self.positions, self.temperature, self.top_k, self.top_p, self.seed] + state
+
+        def body(stream):
+            for dst, src in ((self.slots, dev_i[0]), (self.positions, dev_i[1]), (self.top_k, dev_i[2]),
+                             (self.seed, dev_i[3]), (self.temperature, dev_f[0]), (self.top_p, dev_f[1])):
+                dst.copy_(src)
+            torch.index_select(last_tok, 0, self.slots, out=self.tokens)
+            out = run_with_stream(inputs, stream_capsule(stream))
+            last_tok.index_copy_(0, self.slots, out[0])
+            last_tok[scratch].zero_()                 # padding rows keep feeding token 0, as uncaptured
+            return out
+
         side = torch.cuda.Stream(device=d)
         side.wait_stream(torch.cuda.current_stream(d))
         with torch.cuda.stream(side):
             for _ in range(2):                        # warm-up (lazy init, autotune caches) on scratch rows
-                run_with_stream(inputs, stream_capsule(side))
+                body(side)
         side.synchronize()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, stream=side):
-            out = run_with_stream(inputs, stream_capsule(side))
+            out = body(side)
         self.ids, self.logits = out[0], out[1]
         torch.cuda.current_stream(d).wait_stream(side)
 
-    def step(self, tokens: torch.Tensor, slots: torch.Tensor, positions, sampling, scratch: int):
-        """tokens/slots: device [n <= B]; positions: host ints; sampling: Sampling rows."""
-        n = tokens.shape[0]
-        self.tokens[:n].copy_(tokens)
-        self.slots[:n].copy_(slots)
-        if n < self.B:                                 # padding rows: scratch slot, zero inputs
-            self.tokens[n:].zero_()
-            self.slots[n:].fill_(scratch)
+    def step(self, slots: list[int], positions: list[int], sampling) -> tuple[torch.Tensor, torch.Tensor]:
+        """n <= B rows: their slots, positions (host ints) and Sampling rows -> (ids [n], logits [n, V]) views
+        of the graph's static outputs (rewritten by the next step); last_tok[slots] already holds the ids."""
+        n = len(slots)
         self.flip ^= 1
-        hi, hf = self.host_i[self.flip], self.host_f[self.flip]
-        ints, floats = stage_rows(self.B, positions, sampling)
-        hi.copy_(ints)
-        hf.copy_(floats)
-        dev_i = hi.to(self.tokens.device, non_blocking=True)
-        dev_f = hf.to(self.tokens.device, non_blocking=True)
-        self.positions.copy_(dev_i[0])
-        self.top_k.copy_(dev_i[1])
-        self.seed.copy_(dev_i[2])
-        self.temperature.copy_(dev_f[0])
-        self.top_p.copy_(dev_f[1])
+        self.host[self.flip].fill(slots, positions, sampling)
+        self.dev.copy_(self.host[self.flip].bytes, non_blocking=True)
+        self.copied_at = time.perf_counter()      # copy-in ends here (Engine's per-phase timings)
         self.graph.replay()
         return self.ids[:n], self.logits[:n]

@@ -76,7 +76,6 @@ class Engine:
         self.free = list(range(executor.max_slots))
         self.ids = itertools.count()
         self.cv = threading.Condition()
-        self.last_tok = torch.zeros(executor.max_slots + 1, dtype=torch.int64, device=executor.device)
         self.inflight: list = []                           # [(rows, host ids, cuda event)] launched, not read
         self.counters = collections.Counter()
         self.step_us = collections.defaultdict(float)      # summed µs per phase
@@ -300,7 +299,6 @@ class Engine:
     def _prefill(self, r: Request):
         t = time.perf_counter()
         ids, _ = self.ex.prefill(r.prompt, r.slot, r.sampling)
-        self.last_tok[r.slot] = ids[0]                    # device to device: the next decode's input
         r.pos, r.produced = len(r.prompt), 1
         self.counters["prefill_tokens"] += len(r.prompt)
         self.step_us["prefill"] += (time.perf_counter() - t) * 1e6
@@ -313,12 +311,9 @@ class Engine:
         for i in range(0, len(rows), cap):
             part = rows[i:i + cap]
             t0 = time.perf_counter()
-            slots = torch.tensor([r.slot for r in part], dtype=torch.int64).to(self.ex.device, non_blocking=True)
-            tokens = self.last_tok.index_select(0, slots)     # stays on the device
-            t1 = time.perf_counter()
-            ids, _ = self.ex.decode_tensors(tokens, slots, [r.pos for r in part], [r.sampling for r in part])
+            ids, _ = self.ex.decode_step([r.slot for r in part], [r.pos for r in part], [r.sampling for r in part])
             t2 = time.perf_counter()
-            self.last_tok.index_copy_(0, slots, ids)
+            t1 = self.ex.copied_at
             for r in part:
                 r.pos += 1
                 r.produced += 1

@@ -9,6 +9,7 @@ bucket point at it with zero inputs.
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -54,7 +55,12 @@ class GraphExecutor:
         self.scratch = max_slots
         self.state = [torch.zeros([max_slots + 1 if s == "S" else s for s in t["shape"]], dtype=DTYPES[t["dtype"]],
                                   device=device) for t in state_meta]
+        # per slot: the token its next decode step feeds (the last sampled id). It stays on the device:
+        # prefill writes it, every decode step gathers its rows' tokens from it and scatters the new ids back
+        self.last_tok = torch.zeros(max_slots + 1, dtype=torch.int64, device=device)
         self.captured: dict = {}                   # decode bucket -> CapturedDecode (CUDA graphs)
+        self.copied_at = 0.0                       # perf_counter() when the last decode step's inputs were in
+        self.staging: dict = {}                    # decode bucket -> Staging (uncaptured path)
         self.rank, self.link = 0, None             # tensor parallel: this rank, runtime/tp.py StepBroadcast
         self.path = "eager"                        # reported at start-up and in stats()
         self.decode_buckets = sorted(g["bucket"] for g in graph_meta.values() if g["kind"] == "decode")
@@ -105,7 +111,7 @@ class GraphExecutor:
         if cuda_graphs and dev.type == "cuda" and loaded:
             from .cuda_graphs import CapturedDecode
             ex.captured = {g["bucket"]: CapturedDecode(loaded[name].run_with_stream, g["bucket"], ex.state,
-                                                       ex.scratch, dev)
+                                                       ex.last_tok, ex.scratch, dev)
                            for name, g in m["graphs"].items() if g["kind"] == "decode"}
             ex.path += "+cudagraphs"
         ex.fixture_report = None
@@ -174,6 +180,7 @@ class GraphExecutor:
                                     + self._sampling([sampling], 1))
             i += len(part)
             pos += len(part)
+        self.last_tok[slot] = ids[0]                   # device to device: the next decode step's input
         return ids, logits
 
     def decode_bucket(self, n: int) -> int:
@@ -183,25 +190,30 @@ class GraphExecutor:
         return b
 
     def decode(self, tokens: list[int], slots: list[int], positions: list[int], sampling: list[Sampling]):
-        """One decode step for len(tokens) rows, padded to a bucket -> (next_ids [n], logits [n, V])."""
-        d = self.device
-        return self.decode_tensors(torch.tensor(tokens, dtype=torch.int64, device=d),
-                                   torch.tensor(slots, dtype=torch.int64, device=d), positions, sampling)
+        """One decode step feeding `tokens` to `slots` -> (next_ids [n], logits [n, V])."""
+        self.last_tok[torch.tensor(slots, dtype=torch.int64)] = torch.tensor(tokens, dtype=torch.int64).to(self.device)
+        return self.decode_step(slots, positions, sampling)
 
-    def decode_tensors(self, tokens: torch.Tensor, slots: torch.Tensor, positions: list[int],
-                       sampling: list[Sampling]):
-        """As decode, with tokens/slots already on the device (the engine never round-trips ids)."""
-        n = tokens.shape[0]
+    def decode_step(self, slots: list[int], positions: list[int], sampling: list[Sampling]):
+        """One decode step of len(slots) rows, padded to a bucket: each row feeds last_tok[slot], and its
+        sampled id replaces it -> (next_ids [n], logits [n, V]) (views a later step may overwrite)."""
+        n = len(slots)
         B = self.decode_bucket(n)
         if B in self.captured:
-            return self.captured[B].step(tokens, slots, positions, sampling, self.scratch)
-        pad = B - n
-        d = self.device
-        if pad:
-            tokens = torch.cat([tokens, torch.zeros(pad, dtype=torch.int64, device=d)])
-            slots = torch.cat([slots, torch.full((pad,), self.scratch, dtype=torch.int64, device=d)])
-        pos = torch.tensor(list(positions) + [0] * pad, dtype=torch.int64, device=d)
-        ids, logits = self.call(f"decode_b{B}", [tokens, slots, pos] + self._sampling(sampling, B))
+            cap = self.captured[B]
+            out = cap.step(slots, positions, sampling)
+            self.copied_at = cap.copied_at
+            return out
+        if B not in self.staging:                  # the same host staging the captured path copies in
+            from .cuda_graphs import Staging
+            self.staging[B] = Staging(B, self.scratch, pin=False)
+        st = self.staging[B]
+        st.fill(slots, positions, sampling)
+        (rows, pos, top_k, seed), (temperature, top_p) = st.ints.to(self.device), st.floats.to(self.device)
+        inputs = [self.last_tok.index_select(0, rows), rows, pos, temperature, top_k, top_p, seed]
+        self.copied_at = time.perf_counter()      # copy-in ends here: the Engine's per-phase timings
+        ids, logits = self.call(f"decode_b{B}", inputs)
+        self.last_tok.index_copy_(0, rows[:n], ids[:n])
         return ids[:n], logits[:n]
 
     def generate(self, prompt: list[int], max_new_tokens: int, sampling: Sampling = Sampling(), slot: int = 0,

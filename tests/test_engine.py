@@ -117,17 +117,19 @@ def test_bad_input_is_a_value_error_and_engine_keeps_serving(engine, tiny_eager,
     assert engine.stats()["error"] is None
 
 
-def test_cuda_graph_staging_matches_the_uncaptured_inputs(engine):
-    """The captured decode stages positions/sampling in one tensor per dtype; it must hand the graph
-    exactly what the uncaptured path builds (padding rows included). Runs on CPU: staging is host work."""
+def test_decode_staging_rows_and_padding(engine):
+    """Both decode paths take their per-row inputs from one staging buffer (runtime/cuda_graphs.Staging);
+    it must hold what the graphs expect: the rows' values, then padding rows on the scratch slot with
+    position 0 and greedy sampling — checked against the prefill path's own sampling tensors."""
     import torch
 
     from onegraph.runtime import Sampling
-    from onegraph.runtime.cuda_graphs import stage_rows
+    from onegraph.runtime.cuda_graphs import Staging
     rows = [Sampling(0.7, 5, 0.9, 2**62 + 3), Sampling(), Sampling(1.3, 0, 0.5, -4)]
-    positions, B = [17, 0, 255], 4
-    ints, floats = stage_rows(B, positions, rows)
-    temperature, top_k, top_p, seed = engine.ex._sampling(rows, B)
-    assert torch.equal(ints[0], torch.tensor(positions + [0]))
-    assert torch.equal(ints[1], top_k) and torch.equal(ints[2], seed)
-    assert torch.equal(floats[0], temperature) and torch.equal(floats[1], top_p)
+    st = Staging(4, 9, pin=False)
+    st.fill([2, 0, 5, 1], [1, 2, 3, 4], rows + [Sampling(0.5, 1, 0.5, 1)])   # a full step, then a short one
+    st.fill([2, 0, 5], [17, 0, 255], rows)
+    temperature, top_k, top_p, seed = engine.ex._sampling(rows, 4)
+    assert torch.equal(st.ints[0], torch.tensor([2, 0, 5, 9])) and torch.equal(st.ints[1], torch.tensor([17, 0, 255, 0]))
+    assert torch.equal(st.ints[2], top_k) and torch.equal(st.ints[3], seed)
+    assert torch.equal(st.floats[0], temperature) and torch.equal(st.floats[1], top_p)

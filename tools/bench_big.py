@@ -87,17 +87,20 @@ def profile_regions(step, n: int):
     return regions, [{"kernel": k[:120], "us": round(v, 1)} for k, v in top]
 
 
-def step_parity(model, cap, state, tokens, slots, pos, samp, B, dev) -> dict:
+def step_parity(model, cap, state, last_tok, rows: list[int], pos, samp, dev) -> dict:
     """One replayed step vs one eager step from the same state (random weights, greedy): ids equal and
     the max fp32 logit difference (the artifact fixture's bf16 bound is 0.25)."""
     from onegraph.runtime.executor import Sampling
-    saved = [s.clone() for s in state]
-    ids_r, logits_r = (t.clone() for t in cap.step(tokens, slots, pos, samp, B))
+    saved, saved_tok = [s.clone() for s in state], last_tok.clone()
+    slots = torch.tensor(rows, device=dev)
+    tokens = last_tok.index_select(0, slots)
+    ids_r, logits_r = (t.clone() for t in cap.step(rows, pos, samp))
     for s, v in zip(state, saved):
         s.copy_(v)
+    last_tok.copy_(saved_tok)
     with torch.no_grad():
-        ids_e, logits_e = model.decode(tokens, slots, torch.tensor(pos, device=dev), *Sampling().tensors(B, dev),
-                                       *state)
+        ids_e, logits_e = model.decode(tokens, slots, torch.tensor(pos, device=dev),
+                                       *Sampling().tensors(len(rows), dev), *state)
     for s, v in zip(state, saved):
         s.copy_(v)
     return parity(ids_r, logits_r, ids_e, logits_e)
@@ -185,24 +188,24 @@ def bench_batch(model, weights, B: int, args, dev, bw: float) -> dict:
     graph = lower(model, weights, "decode", B, args, dev, r)
     t = time.time()
     state = new_state(cfg, B, args.max_seq_len, torch.bfloat16, dev)
-    cap = CapturedDecode(graph.run_with_stream, B, state, B, dev)
+    last_tok = torch.arange(1, B + 2, device=dev)                  # [B + 1]: slot B is the scratch slot
+    cap = CapturedDecode(graph.run_with_stream, B, state, last_tok, B, dev)
     r["load_and_capture_s"] = round(time.time() - t, 1)
-    tokens = torch.arange(1, B + 1, device=dev)
-    slots = torch.arange(B, device=dev)
-    pos, samp = [args.position] * B, [Sampling()] * B
-    r["parity_vs_eager"] = step_parity(model, cap, state, tokens, slots, pos, samp, B, dev)
+    rows, pos, samp = list(range(B)), [args.position] * B, [Sampling()] * B
+    r["parity_vs_eager"] = step_parity(model, cap, state, last_tok, rows, pos, samp, dev)
     for _ in range(5):
-        cap.step(tokens, slots, pos, samp, B)
+        cap.step(rows, pos, samp)
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(args.steps):
-        cap.step(tokens, slots, pos, samp, B)
+        cap.step(rows, pos, samp)
     torch.cuda.synchronize()
     replay_ms = (time.perf_counter() - t) / args.steps * 1e3
     if args.profile:
         r["regions_us_per_step"], r["top_kernels_us_per_step"] = profile_regions(
-            lambda: cap.step(tokens, slots, pos, samp, B), 10)
-    eager_in = [tokens, slots, torch.full((B,), args.position, device=dev)] + Sampling().tensors(B, dev)
+            lambda: cap.step(rows, pos, samp), 10)
+    slots = torch.arange(B, device=dev)
+    eager_in = [last_tok[:B].clone(), slots, torch.full((B,), args.position, device=dev)] + Sampling().tensors(B, dev)
     with torch.no_grad():
         model.decode(*eager_in, *state)
         torch.cuda.synchronize()
