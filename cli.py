@@ -46,7 +46,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-ids")
 
 
-def add_tp_args(p: argparse.ArgumentParser) -> None:
+def add_runtime_args(p: argparse.ArgumentParser) -> None:
+    """Artifact replay options shared by generate and serve."""
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="CUDA: call the lowered decode graphs directly instead of replaying captured CUDA graphs")
     p.add_argument("--tp-timeout", type=float, default=300.0,
                    help="tensor parallel (under torchrun): seconds a rank waits in a collective for a peer "
                         "before it fails")
@@ -155,7 +158,7 @@ def tp_follow(args, artifact: str, max_slots: int) -> int | None:
         return None
     import signal
     from onegraph.runtime.executor import GraphExecutor
-    ex = GraphExecutor.from_artifact(artifact, max_slots=max_slots, device=args.device)
+    ex = GraphExecutor.from_artifact(artifact, max_slots=max_slots, device=args.device, cuda_graphs=args.cuda_graphs)
     # rank 0 owns the lifetime: the SIGTERM/SIGINT that torchrun or a terminal sends every rank makes
     # rank 0 shut down gracefully and release this rank (stop()); dying here first would fail rank 0
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -179,7 +182,7 @@ def generate_artifact(args) -> int:
     code = tp_follow(args, args.model, max_slots=1)
     if code is not None:
         return code
-    engine = Engine.from_artifact(args.model, max_slots=1, device=args.device)
+    engine = Engine.from_artifact(args.model, max_slots=1, device=args.device, cuda_graphs=args.cuda_graphs)
     try:
         cfg = engine.ex.manifest["model"]
         ids, tok = prompt_ids(args, Path(args.model), cfg["vocab_size"])
@@ -213,7 +216,7 @@ def cmd_serve(args) -> int:
     if code is not None:
         return code
     engine = Engine.from_artifact(args.artifact, max_slots=args.max_slots, max_queue=args.max_queue,
-                                  device=args.device)
+                                  device=args.device, cuda_graphs=args.cuda_graphs)
     name = args.served_model_name or Path(args.artifact).resolve().name
     app = create_app(engine, name, api_key=args.api_key)
     srv = app.state.server
@@ -265,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eager", action="store_true", help="run the eager model (no graphs)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default=None, help="artifact device (default: the one it was exported for)")
-    add_tp_args(p)
+    add_runtime_args(p)
     add_sampling_args(p)
     p.set_defaults(fn=cmd_generate)
 
@@ -305,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: artifact dir name)")
     p.add_argument("--device", default=None, help="artifact device (default: the one it was exported for)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    add_tp_args(p)
+    add_runtime_args(p)
     p.set_defaults(fn=cmd_serve)
     return ap
 

@@ -111,10 +111,17 @@ class CapturedDecode:
     def step(self, slots: list[int], positions: list[int], sampling) -> tuple[torch.Tensor, torch.Tensor]:
         """n <= B rows: their slots, positions (host ints) and Sampling rows -> (ids [n], logits [n, V]) views
         of the graph's static outputs (rewritten by the next step); last_tok[slots] already holds the ids."""
-        n = len(slots)
+        return self.replay(self.stage(slots, positions, sampling), len(slots))
+
+    def stage(self, slots: list[int], positions: list[int], sampling) -> torch.Tensor:
+        """Fill the next pinned staging -> its bytes (what replay() copies in; TP broadcasts them)."""
         self.flip ^= 1
         self.host[self.flip].fill(slots, positions, sampling)
-        self.dev.copy_(self.host[self.flip].bytes, non_blocking=True)
+        return self.host[self.flip].bytes
+
+    def replay(self, staged: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy a staging's bytes (pinned host, or a device buffer) in and replay -> outputs of n rows."""
+        self.dev.copy_(staged, non_blocking=True)
         self.copied_at = time.perf_counter()      # copy-in ends here (Engine's per-phase timings)
         self.graph.replay()
         return self.ids[:n], self.logits[:n]

@@ -100,20 +100,25 @@ class GraphExecutor:
         ex = cls(graphs, m["graphs"], m["state"], max_slots, m["max_seq_len"], m["model"]["vocab_size"], dev)
         ex.manifest = m
         ex.path = "aoti-cpu" if dev.type == "cpu" else f"{m['backend']}-{dev.type}"
-        if tp > 1:
-            from .tp import StepBroadcast
-            ex.rank, ex.link = rank, StepBroadcast(m["graphs"], len(m["state"]), dev)
-            check_parity = check_parity and rank == 0   # rank 0 checks while the others follow()
-            ex.path += f"+tp{tp}"
-            # a captured decode step would bypass StepBroadcast.lead (the followers would never see it),
-            # and NCCL collectives inside a captured AOTI graph are unverified: TP replays uncaptured
-            cuda_graphs = False
         if cuda_graphs and dev.type == "cuda" and loaded:
+            # tensor parallel: every rank captures its buckets in the same order (the warm-up and capture
+            # run the graph's NCCL collectives, which pair up across ranks)
             from .cuda_graphs import CapturedDecode
             ex.captured = {g["bucket"]: CapturedDecode(loaded[name].run_with_stream, g["bucket"], ex.state,
                                                        ex.last_tok, ex.scratch, dev)
                            for name, g in m["graphs"].items() if g["kind"] == "decode"}
             ex.path += "+cudagraphs"
+        if tp > 1:
+            from .tp import StepBroadcast
+            n_state = len(m["state"])
+            # what the followers need per call: an uncaptured graph's non-state inputs, or a captured
+            # bucket's staging bytes ("captured_b{B}")
+            inputs = {n: [(DTYPES[i["dtype"]], i["shape"]) for i in g["inputs"][:-n_state]]
+                      for n, g in m["graphs"].items()}
+            inputs.update({f"captured_b{B}": [(torch.uint8, list(c.dev.shape))] for B, c in ex.captured.items()})
+            ex.rank, ex.link = rank, StepBroadcast(inputs, dev)
+            check_parity = check_parity and rank == 0   # rank 0 checks while the others follow()
+            ex.path += f"+tp{tp}"
         ex.fixture_report = None
         if check_parity:
             from .fixture import check_fixture
@@ -140,6 +145,9 @@ class GraphExecutor:
     def follow(self) -> int:
         """Ranks > 0: replay the graphs rank 0 calls, with this rank's state, until it stops."""
         def run(name, inputs):
+            if name.startswith("captured_b"):
+                self.captured[int(name[len("captured_b"):])].replay(inputs[0], 0)
+                return
             with torch.no_grad():
                 self.graphs[name](list(inputs) + self.state)
         return self.link.follow(run)
@@ -201,7 +209,10 @@ class GraphExecutor:
         B = self.decode_bucket(n)
         if B in self.captured:
             cap = self.captured[B]
-            out = cap.step(slots, positions, sampling)
+            staged = cap.stage(slots, positions, sampling)
+            if self.link is not None:              # tensor parallel: the followers replay the same bytes
+                staged = self.link.lead(f"captured_b{B}", [staged])[0]
+            out = cap.replay(staged, n)
             self.copied_at = cap.copied_at
             return out
         if B not in self.staging:                  # the same host staging the captured path copies in

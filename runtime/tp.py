@@ -144,18 +144,17 @@ def native():
 class StepBroadcast:
     """Rank 0 -> all: which graph runs next and its non-state inputs, as one broadcast per step."""
 
-    def __init__(self, graph_meta: dict, n_state: int, device: torch.device):
-        from .executor import DTYPES
-        self.names = sorted(graph_meta)
+    def __init__(self, inputs: dict[str, list[tuple[torch.dtype, list[int]]]], device: torch.device):
+        """inputs: per graph name, the (dtype, shape) of each input it takes from the leader."""
+        self.names = sorted(inputs)
         # one persistent byte buffer [8-byte int64 header | inputs of the largest graph], every input
         # 8-byte aligned; self.inputs[name] are typed views into it (all shapes are static)
         layout, size = {}, 8
         for n in self.names:
             off, views = 8, []
-            for i in graph_meta[n]["inputs"][:-n_state]:
-                dtype = DTYPES[i["dtype"]]
-                nbytes = torch.Size(i["shape"]).numel() * dtype.itemsize
-                views.append((off, nbytes, dtype, i["shape"]))
+            for dtype, shape in inputs[n]:
+                nbytes = torch.Size(shape).numel() * dtype.itemsize
+                views.append((off, nbytes, dtype, shape))
                 off += -(-nbytes // 8) * 8
             layout[n], size = views, max(size, off)
         self.buf = torch.zeros(size, dtype=torch.uint8, device=device)

@@ -3,13 +3,14 @@ lowered with decompositions("cuda") — every onegraph op swapped for its hand-w
 as an ExportedProgram with the kernels in Triton's interpreter, against the eager model (the pure-torch
 references). This is the CUDA graph minus AOTInductor: it catches a lowering that is right alone but wrong
 in the model (a strided input, a state row written to the wrong slot, a prefill chunk that leaks padding).
+With a GPU the same test runs the compiled kernels on it.
 
 fp32: greedy and seeded top-k/top-p ids identical for 8 tokens, logits within 1e-4; no Python reference
 ran during the lowered generation.
 """
 import pytest
 import torch
-from triton_env import needs_triton
+from triton_env import DEVICE, needs_triton
 
 from onegraph.custom_ops import PYTHON_CALLS, decompositions
 from onegraph.export.entry import dynamic_shapes, entry_module, example_inputs, graph_spec
@@ -24,14 +25,14 @@ PROMPT = list(b"Colours: red, orange,")            # 21 tokens: one full prefill
 
 @pytest.fixture(scope="module")
 def executors():
-    _, model, _ = load_model("tiny", "float32", "cpu")
+    _, model, _ = load_model("tiny", "float32", DEVICE)   # on a GPU: the compiled kernels
     kinds = {"decode": [1], "prefill": [16]}
     graphs, meta = {}, {}
     for kind, buckets in kinds.items():
         for b in buckets:
             spec = graph_spec(model, kind, b, MAX_SEQ, torch.float32)
             with torch.no_grad():
-                ep = torch.export.export(entry_module(model, kind), example_inputs(spec, "cpu"),
+                ep = torch.export.export(entry_module(model, kind), example_inputs(spec, DEVICE),
                                          dynamic_shapes=dynamic_shapes(spec), strict=False)
                 ep = ep.run_decompositions(decompositions("cuda"))
             hist = check_lowered(ep, "cuda")
@@ -39,7 +40,7 @@ def executors():
             graphs[spec.name] = (lambda f: lambda inputs: f(*inputs))(ep.module())
             meta[spec.name] = spec.manifest()
     state = meta["decode_b1"]["inputs"][-len(model.cfg.layer_types) * 2:]
-    lowered = GraphExecutor(graphs, meta, state, 1, MAX_SEQ, model.cfg.vocab_size, torch.device("cpu"))
+    lowered = GraphExecutor(graphs, meta, state, 1, MAX_SEQ, model.cfg.vocab_size, torch.device(DEVICE))
     eager = GraphExecutor.from_model(model, kinds, max_slots=1, max_seq_len=MAX_SEQ)
     return lowered, eager
 

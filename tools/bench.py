@@ -75,19 +75,24 @@ def transformers_ms(model_dir: Path, device: str, dtype: torch.dtype, steps: int
     except ImportError:
         return None
     model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
-    ids = torch.tensor([[1, 2, 3]], device=device)
-    with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True)
+    return hf_decode_ms(model, 1, steps, device)
+
+
+@torch.no_grad()
+def hf_decode_ms(model, B: int, steps: int, device, prompt_len: int = 3) -> float:
+    """ms per greedy decode step of a transformers model at batch B, after a prompt_len-token prefill."""
+    ids = torch.arange(1, prompt_len + 1, device=device).repeat(B, 1)                # [B, prompt_len]
+    out = model(input_ids=ids, use_cache=True)
+    cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    for _ in range(3):
+        out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
         cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        for _ in range(3):
-            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
-            cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        _sync(device)
-        t = time.perf_counter()
-        for _ in range(steps):
-            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
-            cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        _sync(device)
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+        cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    _sync(device)
     return (time.perf_counter() - t) / steps * 1e3
 
 

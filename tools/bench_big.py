@@ -4,6 +4,12 @@ onegraph model eager, and the bandwidth limit measured in the same run.
 
     python -m onegraph.tools.bench_big --batch 1,64 --profile --out benchmarks/h200_35b.json
     python -m onegraph.tools.bench_big --batch 1 --prefill 512,2048 --out ttft.json     # + TTFT per prompt length
+    python -m onegraph.tools.bench_big --batch 1,8 --transformers --out hf.json         # + transformers eager
+    torchrun --nproc-per-node 2 -m onegraph.tools.bench_big --batch 1,64 --out tp2.json # tensor parallel
+
+Under torchrun every rank builds the same seeded weights, keeps its shard (graphs/tp.py's plan), lowers
+its own decode graph (NCCL collectives as graph nodes) and replays it captured in a CUDA graph, with
+the one broadcast per step that the TP runtime does; rank 0 writes the JSON.
 
 The 69 GB of bf16 weights cannot be written to an artifact on the device's 64 GB disk, so this
 bench lowers the decode graph into a temporary package and binds the in-memory weights to it
@@ -12,6 +18,7 @@ bench lowers the decode graph into a temporary package and binds the in-memory w
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import tempfile
@@ -141,7 +148,7 @@ def lower(model, weights, kind: str, bucket: int, args, dev, r: dict):
     r["compile_s"] = round(time.time() - t, 1)
     log(kind, bucket, "trace_s", r["trace_s"], "compile_s", r["compile_s"])
     del ep
-    return AotiGraph(pkg, weights, dev)
+    return AotiGraph(pkg, weights, dev, args.loader_cls)
 
 
 def bench_prefill(model, weights, T: int, args, dev) -> dict:
@@ -187,35 +194,44 @@ def bench_batch(model, weights, B: int, args, dev, bw: float) -> dict:
     cfg, r = model.cfg, {"batch": B}
     graph = lower(model, weights, "decode", B, args, dev, r)
     t = time.time()
-    state = new_state(cfg, B, args.max_seq_len, torch.bfloat16, dev)
+    state = new_state(cfg, B, args.max_seq_len, torch.bfloat16, dev, model.tp)
     last_tok = torch.arange(1, B + 2, device=dev)                  # [B + 1]: slot B is the scratch slot
+    slots = torch.arange(B, device=dev)
+    eager_in = [last_tok[:B].clone(), slots, torch.full((B,), args.position, device=dev)] + Sampling().tensors(B, dev)
+    # tensor parallel: the runtime's leader broadcasts each step's inputs (one packed buffer) first
+    link = torch.zeros(8 * (len(eager_in) * B + 1), dtype=torch.uint8, device=dev) if model.tp > 1 else None
+
+    def timed(step, n: int) -> float:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            if link is not None:
+                torch.distributed.broadcast(link, 0)
+            step()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) / n * 1e3
+
+    with torch.no_grad():       # the lowered graph called directly, as the TP runtime does today
+        uncaptured_ms = timed(lambda: graph.run(eager_in + state), args.steps)
     cap = CapturedDecode(graph.run_with_stream, B, state, last_tok, B, dev)
     r["load_and_capture_s"] = round(time.time() - t, 1)
     rows, pos, samp = list(range(B)), [args.position] * B, [Sampling()] * B
     r["parity_vs_eager"] = step_parity(model, cap, state, last_tok, rows, pos, samp, dev)
-    for _ in range(5):
-        cap.step(rows, pos, samp)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(args.steps):
-        cap.step(rows, pos, samp)
-    torch.cuda.synchronize()
-    replay_ms = (time.perf_counter() - t) / args.steps * 1e3
+    replay_ms = timed(lambda: cap.step(rows, pos, samp), args.steps)
     if args.profile:
-        r["regions_us_per_step"], r["top_kernels_us_per_step"] = profile_regions(
-            lambda: cap.step(rows, pos, samp), 10)
-    slots = torch.arange(B, device=dev)
-    eager_in = [last_tok[:B].clone(), slots, torch.full((B,), args.position, device=dev)] + Sampling().tensors(B, dev)
+        if args.rank == 0:
+            r["regions_us_per_step"], r["top_kernels_us_per_step"] = profile_regions(
+                lambda: cap.step(rows, pos, samp), 10)
+        else:                                   # the same steps, so the collectives pair up
+            for _ in range(10):
+                cap.step(rows, pos, samp)
     with torch.no_grad():
-        model.decode(*eager_in, *state)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(args.eager_steps):
-            model.decode(*eager_in, *state)
-        torch.cuda.synchronize()
-    eager_ms = (time.perf_counter() - t) / args.eager_steps * 1e3
+        eager_ms = timed(lambda: model.decode(*eager_in, *state), args.eager_steps)
     nbytes = bytes_per_step(model, B)
     r.update({"replay_ms_per_step": round(replay_ms, 3), "replay_tok_s": round(B / replay_ms * 1e3, 1),
+              "uncaptured_replay_ms_per_step": round(uncaptured_ms, 3),
               "eager_ms_per_step": round(eager_ms, 3), "replay_speedup_vs_eager": round(eager_ms / replay_ms, 2),
               "weight_bytes_per_step": nbytes, "bandwidth_limit_ms": round(nbytes / bw * 1e3, 3),
               "fraction_of_bandwidth_limit": round(nbytes / bw * 1e3 / replay_ms, 3),
@@ -223,6 +239,35 @@ def bench_batch(model, weights, B: int, args, dev, bw: float) -> dict:
     del cap, graph, state
     torch.cuda.empty_cache()
     return r
+
+
+def bench_transformers(cfg_dict: dict, batches: list[int], steps: int, dev) -> list[dict]:
+    """transformers eager on the same config with its own seeded random weights (our scales; 69 GB in bf16):
+    decode ms per step at each batch after a 32-token prompt. Records whether flash-linear-attention was
+    importable (transformers then runs its GDN kernels instead of the pure-torch recurrence)."""
+    import transformers as tf
+    from onegraph.tools.bench import hf_decode_ms
+    with torch.device(dev):          # on the device directly: transformers computes its rope buffers
+        model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(**cfg_dict), dtype=torch.bfloat16)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape, device=dev).uniform_(1.0, 16.0, generator=gen).log())
+            elif p.dim() == 1:
+                p.normal_(0.0, 0.1, generator=gen)
+            else:
+                p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+    rows = []
+    for B in batches:
+        ms = hf_decode_ms(model.eval(), B, steps, dev, prompt_len=32)
+        rows.append({"batch": B, "transformers_eager_ms_per_step": round(ms, 2),
+                     "transformers_tok_s": round(B / ms * 1e3, 1), "transformers": tf.__version__,
+                     "fla_kernels": importlib.util.find_spec("fla") is not None})
+        log(json.dumps(rows[-1]))
+    del model
+    torch.cuda.empty_cache()
+    return rows
 
 
 def main(argv=None) -> int:
@@ -238,39 +283,62 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", type=lambda v: [int(x) for x in v.split(",")], default=[],
                     help="comma-separated prompt lengths: TTFT as one prefill graph of that chunk each")
     ap.add_argument("--prefill-reps", type=int, default=3)
+    ap.add_argument("--transformers", action="store_true",
+                    help="then transformers eager on the same config and batches (its own random weights)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_big: needs a CUDA device", file=sys.stderr)
         return 2
     from onegraph.graphs.config import ModelConfig
+    from onegraph.graphs.load import shard_model
     from onegraph.graphs.tiny import QWEN35_35B_A3B_HF_CONFIG, random_model
-    dev = torch.device("cuda")
-    res = {"command": "python -m onegraph.tools.bench_big " + " ".join(sys.argv[1:] if argv is None else argv),
-           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+    from onegraph.runtime.tp import init_from_torchrun, leave, native
+    args.rank, tp = init_from_torchrun("cuda")         # (0, 1) unless launched by torchrun
+    args.loader_cls = native().Loader if tp > 1 else None   # TP: the runtime's GIL-free runner
+    dev = torch.device("cuda", torch.cuda.current_device())
+    res = {"command": ("torchrun --nproc-per-node {} -m ".format(tp) if tp > 1 else "python -m ")
+           + "onegraph.tools.bench_big " + " ".join(sys.argv[1:] if argv is None else argv),
+           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tp": tp,
            "position": args.position, "kernels": args.kernels}
     t = time.time()
     cfg = ModelConfig.from_hf(QWEN35_35B_A3B_HF_CONFIG)
-    model = random_model(cfg, torch.bfloat16, dev)
+    model = random_model(cfg, torch.bfloat16, dev)       # every rank: the same seeded weights
+    if tp > 1:
+        full, model = model, shard_model(model, args.rank, tp)
+        with torch.no_grad():
+            for p in model.parameters():                 # own storage, so the full model can go
+                p.data = p.data.clone()
+        del full
+        torch.cuda.empty_cache()
     res["params_B"] = round(sum(p.numel() for p in model.parameters()) / 1e9, 2)
     res["build_s"] = round(time.time() - t, 1)
     log("build_s", res["build_s"])
     res["copy_bandwidth_GBps"] = round(copy_bandwidth(dev) / 1e9, 1)
     weights = {f"model.{n}": p for n, p in model.named_parameters()}
     weights.update({f"model.{n}": b for n, b in model.named_buffers()})
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out)
+    save = (lambda: out.write_text(json.dumps(res, indent=2) + "\n")) if args.rank == 0 else (lambda: None)
+    out.parent.mkdir(parents=True, exist_ok=True)
     res["batches"] = []
     for B in args.batch:
         r = bench_batch(model, weights, B, args, dev, res["copy_bandwidth_GBps"] * 1e9)
         res["batches"].append(r)
         log(json.dumps(r))
-        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")     # partial results survive a kill
+        save()                                           # partial results survive a kill
     res["prefill"] = []
     for T in args.prefill:
         res["prefill"].append(bench_prefill(model, weights, T, args, dev))
         log(json.dumps(res["prefill"][-1]))
-        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
-    print(json.dumps(res, indent=2))
+        save()
+    if args.transformers and tp == 1:
+        del model, weights
+        torch.cuda.empty_cache()
+        res["transformers"] = bench_transformers(QWEN35_35B_A3B_HF_CONFIG, args.batch, max(3, args.eager_steps), dev)
+        save()
+    leave()
+    if args.rank == 0:
+        print(json.dumps(res, indent=2))
     return 0
 
 
