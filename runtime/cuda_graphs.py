@@ -67,11 +67,13 @@ class CapturedDecode:
       host (numpy into pinned staging): slots, positions, top_k, seed (int64) | temperature, top_p (fp32)
       -> one non-blocking H2D copy of the staging bytes
       -> replay: unpack the staging into the graph's static inputs, tokens = last_tok[slots] (the ids
-         sampled by the previous step stay on the device), the lowered decode, last_tok[slots] = ids.
+         sampled by the previous step stay on the device), the lowered decode, last_tok[slots] = ids,
+         ids -> pinned host buffer (the engine reads it one step late).
 
     Padding rows point at the scratch slot with zero inputs (greedy, top_p 1; last_tok[scratch] is
-    zeroed after each step). Two pinned stagings alternate: the engine has read (synchronised)
-    step t-2 before it fills the staging of step t, so the one being overwritten is never in flight."""
+    zeroed after each step). Two pinned stagings alternate with two captured graphs, each of which also
+    copies its ids to its own pinned host buffer: the engine has read (synchronised) step t-2 before it
+    fills the staging of step t, so neither buffer being rewritten is still in use."""
 
     def __init__(self, run_with_stream, B: int, state: list[torch.Tensor], last_tok: torch.Tensor, scratch: int,
                  device: torch.device):
@@ -102,10 +104,19 @@ class CapturedDecode:
             for _ in range(2):                        # warm-up (lazy init, autotune caches) on scratch rows
                 body(side)
         side.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=side):
-            out = body(side)
-        self.ids, self.logits = out[0], out[1]
+        # two graphs, one per staging: each also copies its sampled ids into its own pinned host buffer
+        # (read by the engine one step late, while the other graph runs), so a step launches no D2H copy
+        # of its own. They share one memory pool: they never run at the same time.
+        self.host_ids = [torch.zeros(B, dtype=torch.int64).pin_memory() for _ in range(2)]
+        self.graphs, self.outs, pool = [], [], None
+        for k in range(2):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=side, pool=pool):
+                out = body(side)
+                self.host_ids[k].copy_(out[0], non_blocking=True)
+            pool = g.pool()
+            self.graphs.append(g)
+            self.outs.append((out[0], out[1]))
         torch.cuda.current_stream(d).wait_stream(side)
 
     def step(self, slots: list[int], positions: list[int], sampling) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,5 +134,11 @@ class CapturedDecode:
         """Copy a staging's bytes (pinned host, or a device buffer) in and replay -> outputs of n rows."""
         self.dev.copy_(staged, non_blocking=True)
         self.copied_at = time.perf_counter()      # copy-in ends here (Engine's per-phase timings)
-        self.graph.replay()
-        return self.ids[:n], self.logits[:n]
+        self.graphs[self.flip].replay()
+        ids, logits = self.outs[self.flip]
+        return ids[:n], logits[:n]
+
+    def last_host_ids(self, n: int) -> torch.Tensor:
+        """The pinned host copy of the last replay's ids [n]: valid once that step has finished (an
+        event recorded after replay()), until the replay after next."""
+        return self.host_ids[self.flip][:n]

@@ -60,6 +60,7 @@ class GraphExecutor:
         self.last_tok = torch.zeros(max_slots + 1, dtype=torch.int64, device=device)
         self.captured: dict = {}                   # decode bucket -> CapturedDecode (CUDA graphs)
         self.copied_at = 0.0                       # perf_counter() when the last decode step's inputs were in
+        self.host_ids = None                       # captured decode: pinned host view of its ids [n], else None
         self.staging: dict = {}                    # decode bucket -> Staging (uncaptured path)
         self.rank, self.link = 0, None             # tensor parallel: this rank, runtime/tp.py StepBroadcast
         self.path = "eager"                        # reported at start-up and in stats()
@@ -214,7 +215,9 @@ class GraphExecutor:
                 staged = self.link.lead(f"captured_b{B}", [staged])[0]
             out = cap.replay(staged, n)
             self.copied_at = cap.copied_at
+            self.host_ids = cap.last_host_ids(n)   # the graph copies its ids here itself
             return out
+        self.host_ids = None
         if B not in self.staging:                  # the same host staging the captured path copies in
             from .cuda_graphs import Staging
             self.staging[B] = Staging(B, self.scratch, pin=False)
