@@ -65,11 +65,14 @@ def shard_model(model: Qwen35Model, rank: int, tp: int, group=None) -> Qwen35Mod
     sd = shard_state_dict({n: p.detach() for n, p in model.named_parameters()}, cfg, rank, tp)
     with torch.device("meta"):
         out = Qwen35Model(cfg, tp, group)
-    out.to_empty(device=model.inv_freq.device)
-    out.inv_freq.copy_(model.inv_freq)
+    own = {}
     for name, p in out.named_parameters():
-        t = sd[name]
+        t = sd.pop(name)                 # popped: a sliced copy is freed once cloned below
         if tuple(t.shape) != tuple(p.shape):
             raise ValueError(f"tp shard of {name!r} has shape {list(t.shape)}, the rank's model expects {list(p.shape)}")
-        p.data = t.contiguous()
+        # a copy with its own storage (a view would keep the whole TP-1 tensor alive); the meta model
+        # takes it as is, so a device holds the TP-1 model + this shard at most (35B: 69 + 35 GB)
+        own[name] = t.clone(memory_format=torch.contiguous_format)
+    out.load_state_dict(own, strict=False, assign=True)
+    out.inv_freq = model.inv_freq.clone()
     return out.eval()

@@ -274,7 +274,7 @@ class Qwen35Model(nn.Module):
             return logits
         from torch.distributed import _functional_collectives as funcol
         N = x.shape[0]
-        parts = funcol.all_gather_single(logits, 0, self._group())         # [tp * N, vocab / tp], rank-major
+        parts = funcol.all_gather_tensor(logits, 0, self._group())         # [tp * N, vocab / tp], rank-major
         full = parts.reshape(self.tp, N, -1).permute(1, 0, 2).reshape(N, -1)
         return full[:, : self.cfg.vocab_size]                              # drop the vocab padding rows
 

@@ -136,9 +136,10 @@ class CapturedDecode:
         self.copied_at = time.perf_counter()      # copy-in ends here (Engine's per-phase timings)
         self.graphs[self.flip].replay()
         ids, logits = self.outs[self.flip]
-        return ids[:n], logits[:n]
+        return (ids, logits) if n == self.B else (ids[:n], logits[:n])   # a full bucket: no slicing
 
     def last_host_ids(self, n: int) -> torch.Tensor:
         """The pinned host copy of the last replay's ids [n]: valid once that step has finished (an
         event recorded after replay()), until the replay after next."""
-        return self.host_ids[self.flip][:n]
+        h = self.host_ids[self.flip]
+        return h if n == self.B else h[:n]

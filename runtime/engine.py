@@ -77,6 +77,7 @@ class Engine:
         self.ids = itertools.count()
         self.cv = threading.Condition()
         self.inflight: list = []                           # [(rows, host ids, cuda event)] launched, not read
+        self.events: list = []                             # CUDA events already read, for reuse
         self.counters = collections.Counter()
         self.step_us = collections.defaultdict(float)      # summed µs per phase
         self.closed = False
@@ -269,7 +270,7 @@ class Engine:
             host = ids_dev.to("cpu", non_blocking=ids_dev.device.type == "cuda")
         ev = None
         if ids_dev.device.type == "cuda":
-            ev = torch.cuda.Event()
+            ev = self.events.pop() if self.events else torch.cuda.Event()   # reused once read
             ev.record()
         self.inflight.append((rows, host, ev))
 
@@ -280,6 +281,7 @@ class Engine:
                 w = time.perf_counter()
                 ev.synchronize()
                 wait += time.perf_counter() - w
+                self.events.append(ev)
             for r, tok in zip(rows, host.tolist()):
                 self._deliver(r, tok)
         self.step_us["device_wait"] += wait * 1e6

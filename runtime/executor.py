@@ -79,6 +79,10 @@ class GraphExecutor:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
         m = load_manifest(path, device)
         dev = torch.device(m["_device"])
+        if dev.type == "cuda" and dev.index is None:
+            # an explicit index: the package loader given none (-1) ran rank 1's TP graphs against cuda:0
+            # (illegal memory access on 2xH200; pytorch#152087), while an explicit index worked
+            dev = torch.device("cuda", torch.cuda.current_device())
         tp, rank = m.get("tp", {}).get("size", 1), 0
         if tp > 1:                                 # this rank's graphs and weight shard
             from .tp import artifact_rank

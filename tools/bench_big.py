@@ -311,9 +311,6 @@ def main(argv=None) -> int:
     model = random_model(cfg, torch.bfloat16, dev)       # every rank: the same seeded weights
     if tp > 1:
         full, model = model, shard_model(model, args.rank, tp)
-        with torch.no_grad():
-            for p in model.parameters():                 # own storage, so the full model can go
-                p.data = p.data.clone()
         del full
         torch.cuda.empty_cache()
     res["params_B"] = round(sum(p.numel() for p in model.parameters()) / 1e9, 2)
