@@ -139,13 +139,9 @@ QWEN35_35B_A3B_HF_CONFIG = {
 
 
 @torch.no_grad()
-def random_model(cfg, dtype: torch.dtype, device, seed: int = 0):
-    """A Qwen35Model built on `device` (meta -> to_empty -> seeded init), same scales as the tiny
-    weights; for benchmarking shapes whose weights cannot be shipped."""
-    from .qwen3_5 import Qwen35Model
-    with torch.device("meta"):
-        model = Qwen35Model(cfg).to(dtype)              # allocate in the target dtype directly (35B: 69 GB)
-    model.to_empty(device=device)
+def randomise_(model: torch.nn.Module, device, seed: int = 0) -> None:
+    """Seeded O(1)-scale weights by parameter name (ours or transformers' Qwen3.5 names): GDN decay
+    A_log = log U(1, 16), dt_bias U(-1, 1), other vectors N(0, 0.1), matrices N(0, fan_in^-1/2)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("A_log"):
@@ -156,5 +152,16 @@ def random_model(cfg, dtype: torch.dtype, device, seed: int = 0):
             p.normal_(0.0, 0.1, generator=gen)
         else:
             p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+
+
+@torch.no_grad()
+def random_model(cfg, dtype: torch.dtype, device, seed: int = 0):
+    """A Qwen35Model built on `device` (meta -> to_empty -> seeded init), same scales as the tiny
+    weights; for benchmarking shapes whose weights cannot be shipped."""
+    from .qwen3_5 import Qwen35Model
+    with torch.device("meta"):
+        model = Qwen35Model(cfg).to(dtype)              # allocate in the target dtype directly (35B: 69 GB)
+    model.to_empty(device=device)
+    randomise_(model, device, seed)
     model.inv_freq = Qwen35Model.rope_inv_freq(cfg).to(device)   # the rope table stays fp32
     return model.eval()

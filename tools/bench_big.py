@@ -251,18 +251,12 @@ def bench_transformers(cfg_dict: dict, batches: list[int], steps: int, dev) -> l
     decode ms per step at each batch after a 32-token prompt. Records whether flash-linear-attention was
     importable (transformers then runs its GDN kernels instead of the pure-torch recurrence)."""
     import transformers as tf
+    from onegraph.graphs.tiny import randomise_
     from onegraph.tools.bench import hf_decode_ms
     with torch.device(dev):          # on the device directly: transformers computes its rope buffers
         model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(**cfg_dict), dtype=torch.bfloat16)
-    gen = torch.Generator(device=dev).manual_seed(0)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape, device=dev).uniform_(1.0, 16.0, generator=gen).log())
-            elif p.dim() == 1:
-                p.normal_(0.0, 0.1, generator=gen)
-            else:
-                p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+        randomise_(model, dev)                           # the scales random_model gives ours
     rows = []
     for B in batches:
         ms = hf_decode_ms(model.eval(), B, steps, dev, prompt_len=32)
