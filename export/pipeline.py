@@ -99,15 +99,35 @@ def trace_group(tp: int):
 
 
 def fixture(model, max_seq_len: int) -> dict[str, torch.Tensor]:
-    """Greedy ids and logits from eager for a few prompts: checked again at every load."""
+    """Greedy ids and logits from eager for a few prompts: checked again at every load. Also, per step,
+    the router's smallest top-k margin (k-th minus (k+1)-th router logit over every MoE layer and row,
+    fp32): where it is near zero, a graph whose sums round differently (other kernels, a TP all-reduce)
+    may route a row to another expert and legitimately diverge from that step on (runtime/fixture.py)."""
+    from onegraph.graphs.qwen3_5 import SparseMoe
+    margins: list[float] = []                  # one per MoE layer call, in call order
+
+    def record(moe, args):
+        top = torch.nn.functional.linear(args[0].float(), moe.gate.weight.float()).topk(moe.top_k + 1, -1).values
+        margins.append(float((top[:, -2] - top[:, -1]).min()))
+
+    moes = [m for m in model.modules() if isinstance(m, SparseMoe)]
+    hooks = [m.register_forward_pre_hook(record) for m in moes]
     out = {}
-    for i, p in enumerate(FIXTURE_PROMPTS):
-        p = [t % model.cfg.vocab_size for t in p]
-        n = min(FIXTURE_TOKENS, max_seq_len - len(p))
-        r = generate_eager(model, p, n, SamplingParams(), max_seq_len=max_seq_len)
-        out[f"prompt{i}"] = torch.tensor(p)
-        out[f"ids{i}"] = torch.tensor(r.token_ids)
-        out[f"logits{i}"] = torch.stack(r.logits).float().cpu()
+    try:
+        for i, p in enumerate(FIXTURE_PROMPTS):
+            p = [t % model.cfg.vocab_size for t in p]
+            n = min(FIXTURE_TOKENS, max_seq_len - len(p))
+            margins.clear()
+            r = generate_eager(model, p, n, SamplingParams(), max_seq_len=max_seq_len)
+            out[f"prompt{i}"] = torch.tensor(p)
+            out[f"ids{i}"] = torch.tensor(r.token_ids)
+            out[f"logits{i}"] = torch.stack(r.logits).float().cpu()
+            steps = len(r.token_ids)            # one forward per step (a one-shot prefill, then decodes)
+            per_step = torch.tensor(margins).view(steps, -1).amin(1) if moes else torch.full((steps,), float("inf"))
+            out[f"router_margin{i}"] = per_step
+    finally:
+        for h in hooks:
+            h.remove()
     return out
 
 

@@ -153,8 +153,7 @@ class GraphExecutor:
             if name.startswith("captured_b"):
                 self.captured[int(name[len("captured_b"):])].replay(inputs[0], 0)
                 return
-            with torch.no_grad():
-                self.graphs[name](list(inputs) + self.state)
+            self._run(name, inputs)
         return self.link.follow(run)
 
     def stop_followers(self) -> None:
@@ -174,9 +173,20 @@ class GraphExecutor:
     def call(self, name: str, inputs: list[torch.Tensor]):
         if self.link is not None:                  # tensor parallel: rank 0 leads, the others replay it
             inputs = self.link.lead(name, inputs)
+        out = self._run(name, inputs)
+        return out[0], out[1]
+
+    def _run(self, name: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Run an uncaptured graph, then keep last_tok: the sampled ids become the next decode input of
+        their slots (inputs[1]: prefill's slot [1], decode's rows [B]; padding rows write the scratch
+        slot). Every tensor-parallel rank runs this, so each rank's last_tok, which its captured decode
+        graphs read, is the leader's. (It was rank 0's alone: rank 1's first decode step after a
+        prefill fed token 0 on 2xH200.)"""
         with torch.no_grad():
             out = self.graphs[name](list(inputs) + self.state)
-        return out[0], out[1]
+            ids, slots = out[0], inputs[1]
+            self.last_tok.index_copy_(0, slots, ids[:slots.shape[0]])
+        return out
 
     def prefill(self, prompt: list[int], slot: int, sampling: Sampling = Sampling(), start_pos: int = 0):
         """Prefill `prompt` into `slot` from start_pos in chunk buckets -> (next_id [1], logits [1, V])."""
@@ -193,7 +203,6 @@ class GraphExecutor:
                                     + self._sampling([sampling], 1))
             i += len(part)
             pos += len(part)
-        self.last_tok[slot] = ids[0]                   # device to device: the next decode step's input
         return ids, logits
 
     def decode_bucket(self, n: int) -> int:
@@ -203,7 +212,11 @@ class GraphExecutor:
         return b
 
     def decode(self, tokens: list[int], slots: list[int], positions: list[int], sampling: list[Sampling]):
-        """One decode step feeding `tokens` to `slots` -> (next_ids [n], logits [n, V])."""
+        """One decode step feeding `tokens` to `slots` -> (next_ids [n], logits [n, V]). Tensor parallel
+        runs decode_step: tokens set here would reach rank 0's last_tok only."""
+        if self.link is not None:
+            raise RuntimeError("tensor parallel: decode() sets rank 0's tokens only; use decode_step(), which "
+                               "feeds every rank the ids its graphs sampled")
         self.last_tok[torch.tensor(slots, dtype=torch.int64)] = torch.tensor(tokens, dtype=torch.int64).to(self.device)
         return self.decode_step(slots, positions, sampling)
 
@@ -231,7 +244,6 @@ class GraphExecutor:
         inputs = [self.last_tok.index_select(0, rows), rows, pos, temperature, top_k, top_p, seed]
         self.copied_at = time.perf_counter()      # copy-in ends here: the Engine's per-phase timings
         ids, logits = self.call(f"decode_b{B}", inputs)
-        self.last_tok.index_copy_(0, rows[:n], ids[:n])
         return ids[:n], logits[:n]
 
     def generate(self, prompt: list[int], max_new_tokens: int, sampling: Sampling = Sampling(), slot: int = 0,
@@ -242,7 +254,7 @@ class GraphExecutor:
         out, lg = [int(ids[0])], [logits[0].clone()]
         pos = len(prompt)
         while len(out) < max_new_tokens and out[-1] not in stop_ids:
-            ids, logits = self.decode([out[-1]], [slot], [pos], [sampling])
+            ids, logits = self.decode_step([slot], [pos], [sampling])    # feeds last_tok[slot] == out[-1]
             out.append(int(ids[0]))
             lg.append(logits[0].clone())
             pos += 1

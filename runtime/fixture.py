@@ -3,6 +3,14 @@
 At export, eager recorded greedy ids and logits for a few prompts; here the loaded graphs must
 reproduce them: logits within the dtype's tolerance and identical ids wherever eager's top-2 margin
 is wider than twice that tolerance (below it, a legitimate rounding difference may flip a near-tie).
+
+The MoE router has near-ties of its own: where eager's top-k router margin at a step (or in the
+prompt's prefill) is below ROUTER_NEAR_TIE, a graph whose sums round differently may send a row to
+another expert, and from that step on its logits legitimately differ by far more than the tolerance
+(measured: a bf16 TP-2 all-reduce vs TP-1, router margin 0.008, logits 4.6 apart). Such a step
+ends that prompt's comparison, and the report says where. A prompt whose prefill already differs
+while eager routed it with wide margins, or fixtures in which no prompt got past its prefill,
+still fail: a broken artifact must not hide behind near-ties.
 """
 from __future__ import annotations
 
@@ -11,28 +19,40 @@ from pathlib import Path
 from .artifact import ArtifactError
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.25, "float16": 0.1}
+# a quarter of the logit tolerance: router logits are dot products over the same hidden size, and the
+# router logits of the flips seen (bf16) were 0.02 apart
+ROUTER_NEAR_TIE = {k: v / 4 for k, v in TOLERANCE.items()}
 
 
 def check_fixture(executor, manifest: dict) -> dict:
     from safetensors.torch import load_file
     fx = load_file(str(Path(manifest["_root"]) / manifest["fixture"]))
-    tol = TOLERANCE[manifest["dtype"]]
-    worst = 0.0
+    tol, near_tie = TOLERANCE[manifest["dtype"]], ROUTER_NEAR_TIE[manifest["dtype"]]
+    worst, routing_flips, compared = 0.0, [], 0
     i = 0
     while f"prompt{i}" in fx:
         prompt, ref_ids, ref_logits = fx[f"prompt{i}"].tolist(), fx[f"ids{i}"].tolist(), fx[f"logits{i}"]
+        margin = fx.get(f"router_margin{i}")
         ids, logits = executor.generate(prompt, len(ref_ids), slot=0)
         for step, (a, b) in enumerate(zip(logits, ref_logits)):
             diff = (a.float().cpu() - b).abs().max().item()
-            worst = max(worst, diff)
             top2 = b.topk(2).values
             if diff > tol:
+                if margin is not None and min(margin[0], margin[step]).item() <= near_tie:
+                    routing_flips.append({"prompt": i, "step": step, "logit_diff": round(diff, 4),
+                                          "router_margin": round(min(margin[0], margin[step]).item(), 5)})
+                    break              # a legitimate routing flip: the rest of the stream is not comparable
                 raise ArtifactError(f"parity fixture: prompt {i} step {step}: logits differ from eager by "
                                     f"{diff:.3g} > {tol}")
+            worst = max(worst, diff)
+            compared += step > 0
             if ids[step] != ref_ids[step] and (top2[0] - top2[1]).item() > 2 * tol:
                 raise ArtifactError(f"parity fixture: prompt {i} first differing token at step {step}: "
                                     f"graph {ids[step]} vs eager {ref_ids[step]}")
             if ids[step] != ref_ids[step]:
                 break  # a legitimate near-tie flip: the rest of the stream is not comparable
         i += 1
-    return {"prompts": i, "max_logit_diff": worst, "tolerance": tol}
+    if i and not compared:
+        raise ArtifactError(f"parity fixture: no prompt could be compared past its prefill (routing near-ties: "
+                            f"{routing_flips})")
+    return {"prompts": i, "max_logit_diff": worst, "tolerance": tol, "routing_flips": routing_flips}

@@ -132,23 +132,23 @@ def test_cli_export_generate_inspect(tiny_artifact, tiny_eager, tmp_path):
 def test_bf16_cpu_artifact_first_token_matches_eager(tmp_path):
     """bf16 graphs round where eager rounds (export's eager_rounding). Without it the very first token
     of `tiny` differed from eager (logits off by 1.36). With it the prefill logits agree to bf16
-    resolution — but on CPU the streams still drift apart after a few decode steps (measured: 0.03-0.13
-    at step 0, > 1 by step 3-5), so a CPU bf16 artifact is refused by the load-time fixture; the H200
-    bf16 artifact matched eager for 64 tokens (tests/test_cuda_e2e.py). Only the prefill is asserted."""
+    resolution; after a few decode steps the streams part (> 1 by step 3-5), each time at a step where
+    eager's MoE router had a near-tie (runtime/fixture.py), so the load-time check stops that prompt
+    there and says so instead of refusing the artifact."""
     from onegraph.export.pipeline import ExportOptions, export
     from onegraph.graphs.load import load_model
-    from onegraph.runtime.artifact import ArtifactError
     export("tiny", tmp_path / "bf16", ExportOptions(dtype="bfloat16", batch_sizes=(1,), prefill_chunks=(16,),
                                                     max_seq_len=128), progress=False)
-    ex = GraphExecutor.from_artifact(tmp_path / "bf16", max_slots=1, check_parity=False)
+    ex = GraphExecutor.from_artifact(tmp_path / "bf16", max_slots=1)
+    rep = ex.fixture_report
+    assert rep["max_logit_diff"] <= 0.25
+    assert all(f["router_margin"] <= 0.25 / 4 for f in rep["routing_flips"]), rep
     _, model, _ = load_model("tiny", "bfloat16")
     for p in PROMPTS:
         ids, logits = ex.generate(p, 1)
         ref = generate_eager(model, p, 1, max_seq_len=128)
         assert ids == ref.token_ids, f"bf16 prefill token differs for prompt {p[:4]}"
         assert (logits[0].float() - ref.logits[0].float()).abs().max().item() <= 0.25
-    with pytest.raises(ArtifactError, match="parity fixture"):
-        GraphExecutor.from_artifact(tmp_path / "bf16", max_slots=1)     # the drift is caught at load
 
 
 def test_bench_smoke(tiny_artifact, tmp_path):
