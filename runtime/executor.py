@@ -127,7 +127,11 @@ class GraphExecutor:
         ex.fixture_report = None
         if check_parity:
             from .fixture import check_fixture
-            ex.fixture_report = check_fixture(ex, m)
+            try:
+                ex.fixture_report = check_fixture(ex, m)
+            except Exception:
+                ex.stop_followers()            # tensor parallel: release them now, not at the collective timeout
+                raise
         return ex
 
     @classmethod

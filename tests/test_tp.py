@@ -249,6 +249,29 @@ def test_tp4_artifact_replay_matches_tp1(tiny, tmp_path):
     _replay_matches_tp1(model, art, 4, 300)
 
 
+def test_tp2_fixture_failure_releases_followers(tp2_artifact, tmp_path):
+    """Rank 0 refusing the artifact at its load-time fixture check (here: a fixture whose logits were
+    altered) exits with the reason and releases rank 1 at once; rank 1 used to wait out the collective
+    timeout (torchrun killed it on 2xH200)."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+
+    from onegraph.runtime.artifact import write_manifest
+    art = tmp_path / "bad"
+    shutil.copytree(tp2_artifact, art)
+    fx = load_file(str(art / "fixture.safetensors"))
+    fx["logits0"][1] += 1.0
+    save_file(fx, str(art / "fixture.safetensors"))
+    m = json.loads((art / "manifest.json").read_text())      # re-signed: the hashes are not what is tested
+    write_manifest(art, {k: v for k, v in m.items() if k not in ("files", "manifest_sha256")})
+    r = subprocess.run(_torchrun("generate", art, "--prompt-ids", "1,2,3", "--max-new-tokens", 4, "--tp-timeout", 900),
+                       capture_output=True, text=True, timeout=200)
+    assert r.returncode != 0 and "parity fixture: prompt 0 step 1" in r.stderr, r.stderr[-3000:]
+    assert "]: Traceback" not in r.stderr, r.stderr[-3000:]
+    # rank 1 was released, not left to fail on a dead peer (gloo: at once; NCCL: at the collective timeout)
+    assert "tensor-parallel rank 1" not in r.stderr, r.stderr[-3000:]
+
+
 def test_tp2_serve_under_torchrun(tiny, tp2_artifact):
     import httpx
     _, model = tiny
