@@ -94,6 +94,8 @@ class Engine:
                                          cuda_graphs=cuda_graphs)
         log.info("onegraph engine: %s, %d slots, decode buckets %s, prefill chunks %s", ex.path, max_slots,
                  ex.decode_buckets, ex.prefill_buckets)
+        if ex.fixture_report is not None:
+            log.info("onegraph parity fixture: %s", ex.fixture_report)
         return cls(ex, max_queue)
 
     # ---------------- caller side ----------------
