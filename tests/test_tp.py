@@ -29,7 +29,7 @@ import torch
 import torch.multiprocessing as mp
 
 from onegraph.graphs.config import ModelConfig
-from onegraph.graphs.eager import generate_eager
+from onegraph.graphs.eager import SamplingParams, generate_eager
 from onegraph.graphs.load import load_model
 from onegraph.graphs.tiny import TINY_HF_CONFIG
 from onegraph.graphs.tp import check_divisible, local_dims, shard_state_dict, unshard
@@ -37,6 +37,7 @@ from onegraph.graphs.tp import check_divisible, local_dims, shard_state_dict, un
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 10, 5, 200, 17]
 STEPS = 32
 LOGIT_TOL = 1e-4
+SEEDED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7)
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +120,10 @@ def _worker(rank, tp, port, out_path):
         cfg, model, _ = load_model("tiny", "float32", tp=tp, rank=rank)
         state_heads = [tuple(s.shape) for s in model.state_spec(1, 64, torch.float32)]
         r = generate_eager(model, PROMPT, STEPS, max_seq_len=64, prefill_chunk=7)
+        seeded = generate_eager(model, PROMPT, STEPS, SEEDED, max_seq_len=64)
         if rank == 0:
-            torch.save({"ids": r.token_ids, "logits": torch.stack(r.logits), "state": state_heads}, out_path)
+            torch.save({"ids": r.token_ids, "logits": torch.stack(r.logits), "state": state_heads,
+                        "seeded": seeded.token_ids}, out_path)
         dist.barrier()                           # every collective done before the group goes away
     finally:
         dist.destroy_process_group()
@@ -140,6 +143,9 @@ def test_tp_eager_matches_tp1(tiny, tp, tmp_path):
     ids, logits = got["ids"], got["logits"]
     first = next((i for i, (a, b) in enumerate(zip(ids, ref.token_ids)) if a != b), None)
     assert ids == ref.token_ids, f"TP-{tp} first differing token at step {first}: {ids[first]} vs {ref.token_ids[first]}"
+    # seeded top-k/top-p sampling over the all-gathered logits draws TP-1's ids (and is not greedy here)
+    seeded = generate_eager(model, PROMPT, STEPS, SEEDED, max_seq_len=64).token_ids
+    assert got["seeded"] == seeded and seeded != ref.token_ids, (got["seeded"], seeded)
     diff = (logits - torch.stack(ref.logits)).abs().max().item()
     assert diff <= LOGIT_TOL, f"TP-{tp} logits differ by {diff}"
     d = local_dims(cfg, tp)
@@ -221,12 +227,14 @@ def _first_diff(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
-def _replay_matches_tp1(model, art, nproc: int, timeout: int):
-    """`torchrun generate` of a TP-N artifact gives TP-1 eager's greedy ids; rank 0's load-time fixture
-    check vs TP-1 eager is within LOGIT_TOL."""
-    ref = generate_eager(model, PROMPT, STEPS, max_seq_len=64).token_ids
+def _replay_matches_tp1(model, art, nproc: int, timeout: int, sampling=None):
+    """`torchrun generate` of a TP-N artifact gives TP-1 eager's ids (greedy, or seeded `sampling`);
+    rank 0's load-time fixture check vs TP-1 eager is within LOGIT_TOL."""
+    ref = generate_eager(model, PROMPT, STEPS, sampling, max_seq_len=64).token_ids
+    extra = [] if sampling is None else ["--temperature", sampling.temperature, "--top-k", sampling.top_k,
+                                         "--top-p", sampling.top_p, "--seed", sampling.seed]
     r = subprocess.run(_torchrun("generate", art, "--prompt-ids", ",".join(map(str, PROMPT)),
-                                 "--max-new-tokens", STEPS, "--ignore-eos", "--json", nproc=nproc),
+                                 "--max-new-tokens", STEPS, "--ignore-eos", "--json", *extra, nproc=nproc),
                        capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stderr[-4000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
@@ -237,6 +245,7 @@ def _replay_matches_tp1(model, art, nproc: int, timeout: int):
 
 def test_tp2_artifact_replay_matches_tp1(tiny, tp2_artifact):
     _replay_matches_tp1(tiny[1], tp2_artifact, 2, 240)
+    _replay_matches_tp1(tiny[1], tp2_artifact, 2, 240, SEEDED)
 
 
 def test_tp4_artifact_replay_matches_tp1(tiny, tmp_path):
