@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from onegraph.custom_ops import schema_versions
-from onegraph.graphs.eager import SamplingParams, generate_eager
+from onegraph.graphs.eager import SamplingParams, generate_eager, router_margins
 from onegraph.graphs.load import load_model, resolve_dtype
 from onegraph.runtime.artifact import device_descriptor, tool_versions, write_manifest
 
@@ -103,31 +103,18 @@ def fixture(model, max_seq_len: int) -> dict[str, torch.Tensor]:
     the router's smallest top-k margin (k-th minus (k+1)-th router logit over every MoE layer and row,
     fp32): where it is near zero, a graph whose sums round differently (other kernels, a TP all-reduce)
     may route a row to another expert and legitimately diverge from that step on (runtime/fixture.py)."""
-    from onegraph.graphs.qwen3_5 import SparseMoe
-    margins: list[float] = []                  # one per MoE layer call, in call order
-
-    def record(moe, args):
-        top = torch.nn.functional.linear(args[0].float(), moe.gate.weight.float()).topk(moe.top_k + 1, -1).values
-        margins.append(float((top[:, -2] - top[:, -1]).min()))
-
-    moes = [m for m in model.modules() if isinstance(m, SparseMoe)]
-    hooks = [m.register_forward_pre_hook(record) for m in moes]
     out = {}
-    try:
-        for i, p in enumerate(FIXTURE_PROMPTS):
-            p = [t % model.cfg.vocab_size for t in p]
-            n = min(FIXTURE_TOKENS, max_seq_len - len(p))
-            margins.clear()
+    for i, p in enumerate(FIXTURE_PROMPTS):
+        p = [t % model.cfg.vocab_size for t in p]
+        n = min(FIXTURE_TOKENS, max_seq_len - len(p))
+        with router_margins(model) as margins:
             r = generate_eager(model, p, n, SamplingParams(), max_seq_len=max_seq_len)
-            out[f"prompt{i}"] = torch.tensor(p)
-            out[f"ids{i}"] = torch.tensor(r.token_ids)
-            out[f"logits{i}"] = torch.stack(r.logits).float().cpu()
-            steps = len(r.token_ids)            # one forward per step (a one-shot prefill, then decodes)
-            per_step = torch.tensor(margins).view(steps, -1).amin(1) if moes else torch.full((steps,), float("inf"))
-            out[f"router_margin{i}"] = per_step
-    finally:
-        for h in hooks:
-            h.remove()
+        out[f"prompt{i}"] = torch.tensor(p)
+        out[f"ids{i}"] = torch.tensor(r.token_ids)
+        out[f"logits{i}"] = torch.stack(r.logits).float().cpu()
+        steps = len(r.token_ids)                # one forward per step (a one-shot prefill, then decodes)
+        out[f"router_margin{i}"] = (torch.tensor(margins).view(steps, -1).amin(1) if margins
+                                    else torch.full((steps,), float("inf")))      # a dense MLP: no router
     return out
 
 

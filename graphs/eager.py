@@ -5,13 +5,14 @@ differ only in how they are executed, never in what they compute.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
 
 from onegraph.custom_ops.sample import Sampling
 
-from .qwen3_5 import Qwen35Model, new_state
+from .qwen3_5 import Qwen35Model, SparseMoe, new_state
 
 
 SamplingParams = Sampling      # one class for eager, export fixtures and the runtime
@@ -22,6 +23,25 @@ class EagerResult:
     token_ids: list[int]
     logits: list[torch.Tensor]       # fp32 [vocab] for each generated token (the logits it came from)
     finish_reason: str
+
+
+@contextlib.contextmanager
+def router_margins(model: Qwen35Model):
+    """While active, every MoE layer call appends its smallest top-k router margin (the k-th minus the
+    (k+1)-th router logit, fp32, over the call's rows) to the yielded list. Near zero, a run whose sums
+    round differently may pick another expert there and legitimately part from this one."""
+    margins: list[float] = []
+
+    def record(moe, args):
+        top = torch.nn.functional.linear(args[0].float(), moe.gate.weight.float()).topk(moe.top_k + 1, -1).values
+        margins.append(float((top[:, -2] - top[:, -1]).min()))
+
+    hooks = [m.register_forward_pre_hook(record) for m in model.modules() if isinstance(m, SparseMoe)]
+    try:
+        yield margins
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def i64(values, device) -> torch.Tensor:

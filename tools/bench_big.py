@@ -97,6 +97,7 @@ def profile_regions(step, n: int):
 def step_parity(model, cap, state, last_tok, rows: list[int], pos, samp, dev) -> dict:
     """One replayed step vs one eager step from the same state (random weights, greedy): ids equal and
     the max fp32 logit difference (the artifact fixture's bf16 bound is 0.25)."""
+    from onegraph.graphs.eager import router_margins
     from onegraph.runtime.executor import Sampling
     saved, saved_tok = [s.clone() for s in state], last_tok.clone()
     slots = torch.tensor(rows, device=dev)
@@ -105,12 +106,13 @@ def step_parity(model, cap, state, last_tok, rows: list[int], pos, samp, dev) ->
     for s, v in zip(state, saved):
         s.copy_(v)
     last_tok.copy_(saved_tok)
-    with torch.no_grad():
+    with torch.no_grad(), router_margins(model) as margins:
         ids_e, logits_e = model.decode(tokens, slots, torch.tensor(pos, device=dev),
                                        *Sampling().tensors(len(rows), dev), *state)
     for s, v in zip(state, saved):
         s.copy_(v)
-    return parity(ids_r, logits_r, ids_e, logits_e)
+    # the eager step's smallest router margin: read a differing id against it (runtime/fixture.py)
+    return dict(parity(ids_r, logits_r, ids_e, logits_e), min_router_margin=round(min(margins, default=float("inf")), 5))
 
 
 def parity(ids_r, logits_r, ids_e, logits_e) -> dict:
