@@ -1,7 +1,8 @@
 """CUDA-graph replay of the lowered decode graphs: one capture per decode bucket, static buffers.
 
 A step is: the host writes the rows' slots, positions and sampling parameters into pinned staging
-(numpy, no torch call), one H2D copy, `graph.replay()`. The captured graph gathers the input tokens
+(numpy, no torch call), then `graph.replay()`: the graph itself copies that staging in (one H2D
+memcpy node), so the step makes one CUDA call. The captured graph gathers the input tokens
 from the executor's `last_tok` (the ids sampled by the previous step, never through the host) and
 scatters the new ids back. The state tensors are the executor's own (fixed addresses), so prefill
 graphs (run uncaptured) and every captured bucket share one state.
@@ -62,13 +63,14 @@ class Staging:
 
 class CapturedDecode:
     """One decode bucket captured as a CUDA graph around the AOTInductor call, with the per-step glue
-    inside it, so that a step costs the host one H2D copy and one replay:
+    inside it, so that a step costs the host one replay:
 
       host (numpy into pinned staging): slots, positions, top_k, seed (int64) | temperature, top_p (fp32)
-      -> one non-blocking H2D copy of the staging bytes
-      -> replay: unpack the staging into the graph's static inputs, tokens = last_tok[slots] (the ids
-         sampled by the previous step stay on the device), the lowered decode, last_tok[slots] = ids,
-         ids -> pinned host buffer (the engine reads it one step late).
+      -> replay: H2D copy of the staging bytes (in the graph, unless `copy_in` is False: tensor
+         parallel replays bytes the leader broadcast to a device buffer, copied in by replay()),
+         unpack them into the graph's static inputs, tokens = last_tok[slots] (the ids sampled by the
+         previous step stay on the device), the lowered decode, last_tok[slots] = ids, ids -> pinned
+         host buffer and an event recorded after it (the engine reads both one step late).
 
     Padding rows point at the scratch slot with zero inputs (greedy, top_p 1; last_tok[scratch] is
     zeroed after each step). Two pinned stagings alternate with two captured graphs, each of which also
@@ -76,8 +78,8 @@ class CapturedDecode:
     fills the staging of step t, so neither buffer being rewritten is still in use."""
 
     def __init__(self, run_with_stream, B: int, state: list[torch.Tensor], last_tok: torch.Tensor, scratch: int,
-                 device: torch.device):
-        self.B, d = B, device
+                 device: torch.device, copy_in: bool = True):
+        self.B, self.copy_in, d = B, copy_in, device
         # two stagings alternate: the engine has read (synchronised) step t-2 before it fills step t's
         self.host = [Staging(B, scratch, pin=True) for _ in range(2)]
         self.flip = 0
@@ -104,16 +106,22 @@ class CapturedDecode:
             for _ in range(2):                        # warm-up (lazy init, autotune caches) on scratch rows
                 body(side)
         side.synchronize()
-        # two graphs, one per staging: each also copies its sampled ids into its own pinned host buffer
-        # (read by the engine one step late, while the other graph runs), so a step launches no D2H copy
-        # of its own. They share one memory pool: they never run at the same time.
+        # two graphs, one per staging: each copies its own staging in, its sampled ids out into its own
+        # pinned host buffer and records its own event (read by the engine one step late, while the
+        # other graph runs), so a step launches no copy or event of its own. An external event is a
+        # node of the graph: every replay records it. The graphs share one memory pool: they never
+        # run at the same time.
         self.host_ids = [torch.zeros(B, dtype=torch.int64).pin_memory() for _ in range(2)]
+        self.events = [torch.cuda.Event(external=True) for _ in range(2)]
         self.graphs, self.outs, pool = [], [], None
         for k in range(2):
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, stream=side, pool=pool):
+                if copy_in:
+                    self.dev.copy_(self.host[k].bytes, non_blocking=True)
                 out = body(side)
                 self.host_ids[k].copy_(out[0], non_blocking=True)
+                self.events[k].record(side)
             pool = g.pool()
             self.graphs.append(g)
             self.outs.append((out[0], out[1]))
@@ -131,15 +139,17 @@ class CapturedDecode:
         return self.host[self.flip].bytes
 
     def replay(self, staged: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy a staging's bytes (pinned host, or a device buffer) in and replay -> outputs of n rows."""
-        self.dev.copy_(staged, non_blocking=True)
+        """Replay the graph of the last stage() -> outputs of n rows. `staged`: its bytes (the graph
+        copies them in itself), or, without copy_in, a device buffer of them that is copied in here."""
+        if not self.copy_in:
+            self.dev.copy_(staged, non_blocking=True)
         self.copied_at = time.perf_counter()      # copy-in ends here (Engine's per-phase timings)
         self.graphs[self.flip].replay()
         ids, logits = self.outs[self.flip]
         return (ids, logits) if n == self.B else (ids[:n], logits[:n])   # a full bucket: no slicing
 
-    def last_host_ids(self, n: int) -> torch.Tensor:
-        """The pinned host copy of the last replay's ids [n]: valid once that step has finished (an
-        event recorded after replay()), until the replay after next."""
+    def last_host_ids(self, n: int) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """The pinned host copy of the last replay's ids [n] and the event its graph records after
+        copying them: valid once that event has completed, until the replay after next."""
         h = self.host_ids[self.flip]
-        return h if n == self.B else h[:n]
+        return (h if n == self.B else h[:n]), self.events[self.flip]

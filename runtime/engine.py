@@ -76,8 +76,8 @@ class Engine:
         self.free = list(range(executor.max_slots))
         self.ids = itertools.count()
         self.cv = threading.Condition()
-        self.inflight: list = []                           # [(rows, host ids, cuda event)] launched, not read
-        self.events: list = []                             # CUDA events already read, for reuse
+        self.inflight: list = []                           # [(rows, host ids, cuda event, reusable)] launched, not read
+        self.events: list = []                             # the engine's CUDA events already read, for reuse
         self.counters = collections.Counter()
         self.step_us = collections.defaultdict(float)      # summed µs per phase
         self.closed = False
@@ -265,25 +265,28 @@ class Engine:
             self.inflight = []
         return True
 
-    def _launch(self, rows: list[Request], ids_dev: torch.Tensor, host: torch.Tensor | None = None):
-        """Queue rows' sampled ids for reading one step late; `host`: a pinned copy the step makes itself
-        (captured decode), else one D2H copy is launched here."""
-        if host is None:
-            host = ids_dev.to("cpu", non_blocking=ids_dev.device.type == "cuda")
+    def _launch(self, rows: list[Request], ids_dev: torch.Tensor, host_ev: tuple | None = None):
+        """Queue rows' sampled ids for reading one step late; `host_ev`: (pinned copy, event after it)
+        that the step makes itself (captured decode), else a D2H copy and an event are launched here."""
+        if host_ev is not None:
+            self.inflight.append((rows, *host_ev, False))
+            return
+        host = ids_dev.to("cpu", non_blocking=ids_dev.device.type == "cuda")
         ev = None
         if ids_dev.device.type == "cuda":
             ev = self.events.pop() if self.events else torch.cuda.Event()   # reused once read
             ev.record()
-        self.inflight.append((rows, host, ev))
+        self.inflight.append((rows, host, ev, True))
 
     def _read(self, batches):
         t, wait = time.perf_counter(), 0.0
-        for rows, host, ev in batches:
+        for rows, host, ev, reusable in batches:
             if ev is not None:                     # device time, not host time: counted apart
                 w = time.perf_counter()
                 ev.synchronize()
                 wait += time.perf_counter() - w
-                self.events.append(ev)
+                if reusable:
+                    self.events.append(ev)
             for r, tok in zip(rows, host.tolist()):
                 self._deliver(r, tok)
         self.step_us["device_wait"] += wait * 1e6

@@ -60,7 +60,7 @@ class GraphExecutor:
         self.last_tok = torch.zeros(max_slots + 1, dtype=torch.int64, device=device)
         self.captured: dict = {}                   # decode bucket -> CapturedDecode (CUDA graphs)
         self.copied_at = 0.0                       # perf_counter() when the last decode step's inputs were in
-        self.host_ids = None                       # captured decode: pinned host view of its ids [n], else None
+        self.host_ids = None                       # captured decode: (pinned host ids [n], event after them), else None
         self.staging: dict = {}                    # decode bucket -> Staging (uncaptured path)
         self.rank, self.link = 0, None             # tensor parallel: this rank, runtime/tp.py StepBroadcast
         self.path = "eager"                        # reported at start-up and in stats()
@@ -107,10 +107,11 @@ class GraphExecutor:
         ex.path = "aoti-cpu" if dev.type == "cpu" else f"{m['backend']}-{dev.type}"
         if cuda_graphs and dev.type == "cuda" and loaded:
             # tensor parallel: every rank captures its buckets in the same order (the warm-up and capture
-            # run the graph's NCCL collectives, which pair up across ranks)
+            # run the graph's NCCL collectives, which pair up across ranks), and replays the bytes rank 0
+            # broadcast to a device buffer, so the graphs do not copy a host staging in (copy_in)
             from .cuda_graphs import CapturedDecode
             ex.captured = {g["bucket"]: CapturedDecode(loaded[name].run_with_stream, g["bucket"], ex.state,
-                                                       ex.last_tok, ex.scratch, dev)
+                                                       ex.last_tok, ex.scratch, dev, copy_in=tp == 1)
                            for name, g in m["graphs"].items() if g["kind"] == "decode"}
             ex.path += "+cudagraphs"
         if tp > 1:
@@ -236,7 +237,7 @@ class GraphExecutor:
                 staged = self.link.lead(f"captured_b{B}", [staged])[0]
             out = cap.replay(staged, n)
             self.copied_at = cap.copied_at
-            self.host_ids = cap.last_host_ids(n)   # the graph copies its ids here itself
+            self.host_ids = cap.last_host_ids(n)   # the graph copies its ids here and records an event itself
             return out
         self.host_ids = None
         if B not in self.staging:                  # the same host staging the captured path copies in
