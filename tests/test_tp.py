@@ -13,6 +13,7 @@
 - a rank that exits or hangs mid-replay makes rank 0 fail with an error (at once, or after the
   collective timeout) instead of hanging.
 """
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,11 +114,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, tp, port, out_path):
+def _join_gloo(rank, tp, port, timeout_s: float | None = None):
     import torch.distributed as dist
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
+    kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp, **kw)
+
+
+@contextlib.contextmanager
+def _gloo_rank(rank, tp, port):
+    """A spawned worker's gloo group: joined, then, after the body, a barrier (every collective done
+    before the group goes away), the group destroyed and the process ended without interpreter
+    finalisation: a gloo worker thread that drops a Python-owned tensor then must take the GIL, and
+    during finalisation that aborts the process ("terminate called without an active exception", seen
+    once in CI on rank 1 after its work was done). Workers save their results inside the body."""
+    import torch.distributed as dist
+    _join_gloo(rank, tp, port)
     try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+def _worker(rank, tp, port, out_path):
+    with _gloo_rank(rank, tp, port):
         cfg, model, _ = load_model("tiny", "float32", tp=tp, rank=rank)
         state_heads = [tuple(s.shape) for s in model.state_spec(1, 64, torch.float32)]
         r = generate_eager(model, PROMPT, STEPS, max_seq_len=64, prefill_chunk=7)
@@ -124,13 +147,6 @@ def _worker(rank, tp, port, out_path):
         if rank == 0:
             torch.save({"ids": r.token_ids, "logits": torch.stack(r.logits), "state": state_heads,
                         "seeded": seeded.token_ids}, out_path)
-        dist.barrier()                           # every collective done before the group goes away
-    finally:
-        dist.destroy_process_group()
-    # Skip interpreter finalisation: a gloo worker thread that drops a Python-owned tensor then must take
-    # the GIL, and during finalisation that aborts the process ("terminate called without an active
-    # exception", seen once in CI on rank 1 after its work was done). The results are already saved.
-    os._exit(0)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -163,9 +179,7 @@ def _fixture_worker(rank, tp, port, root, out_path):
     from onegraph.runtime.artifact import ArtifactError
     from onegraph.runtime.executor import GraphExecutor
     from onegraph.runtime.fixture import check_fixture
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
-    try:
+    with _gloo_rank(rank, tp, port):
         _, model, _ = load_model("tiny", "bfloat16", tp=tp, rank=rank)
         ex = GraphExecutor.from_model(model, {"decode": [1], "prefill": [64]}, max_slots=1, max_seq_len=64)
         m = {"_root": root, "fixture": "fixture.safetensors", "dtype": "bfloat16"}
@@ -181,10 +195,6 @@ def _fixture_worker(rank, tp, port, root, out_path):
             strict = str(e)
         if rank == 0:
             torch.save({"report": report, "strict": strict}, out_path)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    os._exit(0)
 
 
 def test_tp2_bf16_passes_tp1_fixture_through_router_near_ties(tmp_path):
@@ -217,10 +227,10 @@ def tp2_artifact(tmp_path_factory):
     return out
 
 
-def _torchrun(*args, nproc: int = 2) -> list[str]:
-    """`torchrun --standalone --nproc-per-node N -m onegraph ARGS` (a free rendezvous port each time)."""
+def _torchrun(*args, nproc: int = 2, module: str = "onegraph") -> list[str]:
+    """`torchrun --standalone --nproc-per-node N -m MODULE ARGS` (a free rendezvous port each time)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-            "-m", "onegraph", *map(str, args)]
+            "-m", module, *map(str, args)]
 
 
 def _first_diff(a, b):
@@ -256,6 +266,24 @@ def test_tp4_artifact_replay_matches_tp1(tiny, tmp_path):
     art = tmp_path / "tiny_tp4"
     export("tiny", art, ExportOptions(tp=4, batch_sizes=(1,), prefill_chunks=(16,), max_seq_len=64), progress=False)
     _replay_matches_tp1(model, art, 4, 300)
+
+
+def test_tp2_lockstep_every_rank_matches_its_eager_shard(tp2_artifact, tmp_path):
+    """tools/lockstep.py under torchrun: each rank's graphs vs an eager model of its own weight shard,
+    teacher-forced, every state tensor compared per step (the rung that localised issue #8's 2xH200
+    failure to TP-2 eager rounding rather than the graphs)."""
+    out = tmp_path / "lockstep{rank}.json"
+    r = subprocess.run(_torchrun(tp2_artifact, "--steps", 6, "--out", out, module="onegraph.tools.lockstep"),
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    ref = None
+    for rank in range(2):
+        rep = json.loads(Path(str(out).format(rank=rank)).read_text())
+        assert rep["rank"] == rank and rep["path"].endswith("+tp2") and rep["first_diff"] is None, rep
+        assert len(rep["rows"]) == 7
+        ids = [row["ids"] for row in rep["rows"]]
+        assert ref is None or ids == ref          # every rank samples from the same all-gathered logits
+        ref = ids
 
 
 def test_tp2_fixture_failure_releases_followers(tp2_artifact, tmp_path):
@@ -315,11 +343,8 @@ def test_tp2_serve_under_torchrun(tiny, tp2_artifact):
 def _fault_worker(rank, port, art, fault, timeout_s, out_path):
     """Rank 1 replays 3 graph calls, then exits or hangs (never reaching the 4th call's collectives);
     rank 0 records how its generate() ended."""
-    import torch.distributed as dist
     from onegraph.runtime.executor import GraphExecutor
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    _join_gloo(rank, 2, port, timeout_s)
     ex = GraphExecutor.from_artifact(art, max_slots=1, check_parity=False)
     if rank == 1:
         calls = []
