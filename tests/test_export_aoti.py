@@ -164,3 +164,5 @@ def test_bench_smoke(tiny_artifact, tmp_path):
     assert [row["batch"] for row in res["decode"]] == [1, 2]
     assert all(row["replay_ms_per_step"] > 0 and row["eager_ms_per_step"] > 0 for row in res["decode"])
     assert res["command"].startswith("onegraph bench") and res["engine"]["host_us_per_step"] > 0
+    runs = res["engine"]["host_us_per_run"]          # the reported figure is the median of 5 runs
+    assert len(runs) == 5 and res["engine"]["host_us_per_step"] == sorted(runs)[2]
