@@ -9,7 +9,8 @@
 - a TP-2 fp32 `tiny` artifact (one export shared by the module) replayed by `torchrun -m onegraph
   generate`: greedy ids == TP-1 eager for 32 tokens (issue #8: this used to deadlock 1 run in 6);
   served by `torchrun -m onegraph serve` (rank 0 serves, rank 1 follows): two concurrent requests get
-  TP-1's ids and SIGTERM ends both ranks without a traceback;
+  TP-1's ids and SIGTERM ends both ranks without a traceback; launched as two torchrun "nodes" of one
+  rank each (the multi-node form, on one host) it gives TP-1's ids;
 - a rank that exits or hangs mid-replay makes rank 0 fail with an error (at once, or after the
   collective timeout) instead of hanging.
 """
@@ -284,6 +285,26 @@ def test_tp2_lockstep_every_rank_matches_its_eager_shard(tp2_artifact, tmp_path)
         ids = [row["ids"] for row in rep["rows"]]
         assert ref is None or ids == ref          # every rank samples from the same all-gathered logits
         ref = ids
+
+
+def test_tp2_two_nodes_one_rank_each(tiny, tp2_artifact):
+    """The multi-node launch (`torchrun --nnodes 2 --node-rank R --master-addr ...`), as two nodes of one
+    rank each on this host: rank 0 (node 0) prints TP-1's ids; node 1 follows and exits cleanly."""
+    ref = generate_eager(tiny[1], PROMPT, 16, max_seq_len=64).token_ids
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
+                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               "-m", "onegraph", "generate", str(tp2_artifact), "--prompt-ids", ",".join(map(str, PROMPT)),
+                               "--max-new-tokens", "16", "--ignore-eos", "--json"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in range(2)]
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+    assert json.loads(outs[0][0].strip().splitlines()[-1])["token_ids"] == ref
+    assert outs[1][0].strip() == ""                   # only rank 0 prints
 
 
 def test_tp2_fixture_failure_releases_followers(tp2_artifact, tmp_path):
