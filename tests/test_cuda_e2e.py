@@ -24,6 +24,7 @@ def test_cuda_artifact_matches_eager(cuda_artifact):
     from onegraph.graphs.load import load_model
     from onegraph.runtime import Engine
     dtype, path = cuda_artifact
+    tol = 1e-4 if dtype == "float32" else 0.25
     _, model, _ = load_model("tiny", dtype, "cuda")
     for cuda_graphs in (True, False):
         eng = Engine.from_artifact(path, max_slots=2, device="cuda", cuda_graphs=cuda_graphs)
@@ -33,9 +34,14 @@ def test_cuda_artifact_matches_eager(cuda_artifact):
                 got = eng.generate(p, 64).token_ids
                 ref = generate_eager(model, p, 64, max_seq_len=256)
                 diff = next((i for i, (a, b) in enumerate(zip(got, ref.token_ids)) if a != b), None)
-                assert diff is None, (f"{dtype} cuda_graphs={cuda_graphs}: first differing token at step {diff}: "
-                                      f"{got[diff]} vs {ref.token_ids[diff]}")
-            assert eng.ex.fixture_report["max_logit_diff"] <= (1e-4 if dtype == "float32" else 0.25)
+                # the fixture's rule (runtime/fixture.py): ids must agree wherever eager's top-2 logit margin
+                # is wider than twice the tolerance; below it, other kernels' rounding may pick the other id
+                # (H200, bf16 reference kernels: step 4 of the colours prompt, logits 0.016 apart)
+                gap = None if diff is None else float(ref.logits[diff].float().topk(2).values.diff().abs())
+                assert diff is None or gap <= 2 * tol, (
+                    f"{dtype} cuda_graphs={cuda_graphs}: first differing token at step {diff}: {got[diff]} vs "
+                    f"{ref.token_ids[diff]}, eager's top-2 margin {gap} > {2 * tol}")
+            assert eng.ex.fixture_report["max_logit_diff"] <= tol
         finally:
             eng.close()
 
@@ -47,6 +53,7 @@ def test_cuda_canaries_under_mixed_batches(cuda_artifact):
     from onegraph.graphs.load import load_model
     from onegraph.runtime import Engine
     dtype, path = cuda_artifact
+    tol = 1e-4 if dtype == "float32" else 0.25
     _, model, _ = load_model("tiny", dtype, "cuda")
     refs = {n: generate_eager(model, p, 40, max_seq_len=256).token_ids for n, p in canary.PROMPTS.items()}
     eng = Engine.from_artifact(path, max_slots=3, max_queue=512, device="cuda")
