@@ -88,7 +88,7 @@ def cmd_export(args) -> int:
                          batch_sizes=parse_buckets(args.batch_sizes, "--batch-sizes"),
                          prefill_chunks=parse_buckets(args.prefill_chunks, "--prefill-chunks"),
                          max_seq_len=args.max_seq_len, tp=args.tp, kernels=args.kernels,
-                         eager_rounding=not args.fused_rounding)
+                         eager_rounding=not args.fused_rounding, fp32_reduce=args.fp32_reduce)
     print(summary_text(export(args.model, args.out, opts, progress=not args.quiet)))
     return 0
 
@@ -127,13 +127,15 @@ def emit(args, ids, token_ids, finish, tok, mode, extra=None) -> None:
 def cmd_generate(args) -> int:
     check_sampling(args)
     if not args.eager:
+        if args.fp32_reduce:
+            raise UserError("--fp32-reduce applies to --eager; an artifact runs with the option it was exported with")
         return generate_artifact(args)
     import torch
     from onegraph.graphs.eager import SamplingParams, generate_eager
     from onegraph.graphs.load import load_model
     if is_artifact(args.model):
         raise UserError(f"{args.model} is an exported artifact: drop --eager to run its graphs")
-    cfg, model, model_dir = load_model(args.model, args.dtype)
+    cfg, model, model_dir = load_model(args.model, args.dtype, fp32_reduce=args.fp32_reduce)
     ids, tok = prompt_ids(args, model_dir, cfg.vocab_size)
     with torch.no_grad():
         res = generate_eager(model, ids, args.max_new_tokens,
@@ -267,6 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="HF-format directory, `tiny`, or an exported artifact directory")
     p.add_argument("--eager", action="store_true", help="run the eager model (no graphs)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--fp32-reduce", action="store_true", help="(--eager) the model option export records "
+                   "with the same name: fp32 row-parallel sums, rounded once")
     p.add_argument("--device", default=None, help="artifact device (default: the one it was exported for)")
     add_runtime_args(p)
     add_sampling_args(p)
@@ -286,6 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: hand-written Triton kernels on CUDA; reference: Inductor-generated from the references")
     p.add_argument("--fused-rounding", action="store_true",
                    help="let fused kernels keep fp32 intermediates (faster, no longer bit-close to eager in bf16)")
+    p.add_argument("--fp32-reduce", action="store_true",
+                   help="row-parallel projections (o_proj, out_proj, MoE/MLP down) keep their fp32 sums through the "
+                        "TP all-reduce and round once: bf16 ids then do not depend on --tp (export every TP degree "
+                        "you compare with it, TP-1 included)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(fn=cmd_export)
 

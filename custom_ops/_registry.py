@@ -8,7 +8,9 @@ call it (that would be a Python callback on every run), and tests assert the cou
 Lowerings per device: "decompose" means export replaces the op by its reference traced to aten,
 which AOTInductor compiles to C++ (CPU) or Triton (CUDA). "triton" means export replaces the op by
 `onegraph::<name>_triton`, a `torch.library.triton_op` whose hand-written kernels AOTInductor
-compiles into the artifact (custom_ops/triton/, registered through `register_lowering`). A device
+compiles into the artifact (custom_ops/triton/, registered through `register_lowering`). "aten" means
+export replaces the op by another pure-aten function its own file registers (an aten op with no CPU
+kernel, say). A device
 with no lowering, or whose lowering is not registered (triton not installed), fails closed in
 `decompositions()`.
 """

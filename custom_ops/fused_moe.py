@@ -2,10 +2,15 @@
 combine, and the shared expert with its sigmoid gate.
 
 x [T, H]; router_w [E, H]; gate_up [E, 2I, H] (gate rows first, then up); down [E, H, I];
-shared_gate [Is, H]; shared_up [Is, H]; shared_down [H, Is]; shared_gate_w [1, H]; top_k.
--> y [T, H] in x.dtype.
+shared_gate [Is, H]; shared_up [Is, H]; shared_down [H, Is]; shared_gate_w [1, H]; top_k; fp32_out.
+-> y [T, H] in x.dtype, or in fp32 when fp32_out.
 Router logits in x.dtype, softmax in fp32, top-k, renormalised, cast to x.dtype; each selected
 expert's output is scaled by its weight after the down projection.
+fp32_out (version 2): everything up to the SwiGLU activations is unchanged (rounded to x.dtype); the
+down projections, their weighting, the expert sum and the gated shared expert stay in fp32 and are
+returned unrounded. Under tensor parallel each rank's output is a partial sum over its slice of the
+intermediate dim; summing fp32 partials and rounding once makes the result independent of the TP
+degree (graphs/qwen3_5.py `fp32_reduce`), where per-rank bf16 outputs would round differently per TP.
 The reference reads only the selected experts' weights when T*top_k <= E (decode), and loops over
 all experts with a per-token weight otherwise (prefill): both are static, traceable graphs.
 """
@@ -15,10 +20,11 @@ import torch.nn.functional as F
 from ._registry import check_shape, define_op
 
 SCHEMA = ("(Tensor x, Tensor router_w, Tensor gate_up, Tensor down, Tensor shared_gate, Tensor shared_up, "
-          "Tensor shared_down, Tensor shared_gate_w, int top_k) -> Tensor")
+          "Tensor shared_down, Tensor shared_gate_w, int top_k, bool fp32_out=False) -> Tensor")
 
 
-def _validate(x, router_w, gate_up, down, shared_gate, shared_up, shared_down, shared_gate_w, top_k):
+def _validate(x, router_w, gate_up, down, shared_gate, shared_up, shared_down, shared_gate_w, top_k,
+              fp32_out=False):
     if x.dim() != 2 or gate_up.dim() != 3:
         raise ValueError(f"fused_moe: expected x [T, H] and gate_up [E, 2I, H], got {list(x.shape)} "
                          f"and {list(gate_up.shape)}")
@@ -43,28 +49,40 @@ def route(x, router_w, top_k):
     return (w / w.sum(-1, keepdim=True)).to(x.dtype), idx
 
 
-def swiglu(x, gate_w, up_w, down_w):
-    return F.linear(F.silu(F.linear(x, gate_w)) * F.linear(x, up_w), down_w)
+def swiglu(x, gate_w, up_w, down_w, out_dtype=None):
+    """down(silu(gate(x)) * up(x)); out_dtype fp32: the down projection's fp32 accumulation, unrounded
+    (bf16 products are exact in fp32, so upcasting the operands is that accumulation)."""
+    act = F.silu(F.linear(x, gate_w)) * F.linear(x, up_w)
+    if out_dtype is None or out_dtype == x.dtype:
+        return F.linear(act, down_w)
+    return F.linear(act.to(out_dtype), down_w.to(out_dtype))
 
 
-def reference_fused_moe(x, router_w, gate_up, down, shared_gate, shared_up, shared_down, shared_gate_w, top_k):
+def reference_fused_moe(x, router_w, gate_up, down, shared_gate, shared_up, shared_down, shared_gate_w, top_k,
+                        fp32_out=False):
     T = x.shape[0]
     E, I2, _ = gate_up.shape
+    od = torch.float32 if fp32_out else x.dtype                              # the down products' dtype
     w, idx = route(x, router_w, top_k)
     if T * top_k <= E:
         gu = torch.einsum("th,tkih->tki", x, gate_up[idx])                  # [T, k, 2I]
         act = F.silu(gu[..., : I2 // 2]) * gu[..., I2 // 2:]
-        y = torch.einsum("tki,tkhi->tkh", act, down[idx])                    # [T, k, H]
-        routed = (y * w[..., None]).sum(1)
+        y = torch.einsum("tki,tkhi->tkh", act.to(od), down[idx].to(od))      # [T, k, H]
+        routed = (y * w[..., None].to(od)).sum(1)
     else:
-        routed = torch.zeros_like(x)
+        routed = torch.zeros_like(x, dtype=od)
         for e in range(E):
             we = (w * (idx == e)).sum(-1, keepdim=True)                      # [T, 1]
             gu = F.linear(x, gate_up[e])
-            routed = routed + F.linear(F.silu(gu[:, : I2 // 2]) * gu[:, I2 // 2:], down[e]) * we
-    shared = swiglu(x, shared_gate, shared_up, shared_down)
-    return routed + torch.sigmoid(F.linear(x, shared_gate_w)) * shared
+            act = F.silu(gu[:, : I2 // 2]) * gu[:, I2 // 2:]
+            routed = routed + F.linear(act.to(od), down[e].to(od)) * we.to(od)
+    shared = swiglu(x, shared_gate, shared_up, shared_down, od)
+    return routed + torch.sigmoid(F.linear(x, shared_gate_w)).to(od) * shared
 
 
-fused_moe = define_op("fused_moe", version=1, schema=SCHEMA, reference=reference_fused_moe,
-                      validate=_validate, fake=lambda x, *rest: torch.empty_like(x))
+def _fake(x, router_w, gate_up, down, shared_gate, shared_up, shared_down, shared_gate_w, top_k, fp32_out=False):
+    return torch.empty_like(x, dtype=torch.float32 if fp32_out else x.dtype)
+
+
+fused_moe = define_op("fused_moe", version=2, schema=SCHEMA, reference=reference_fused_moe,
+                      validate=_validate, fake=_fake)

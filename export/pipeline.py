@@ -49,6 +49,7 @@ class ExportOptions:
     tp: int = 1
     kernels: str = "auto"                      # auto: hand-written kernels where registered | reference
     eager_rounding: bool = True                # round intermediates where eager does (bf16/fp16 parity)
+    fp32_reduce: bool = False                  # row-parallel outputs in fp32, all-reduced, rounded once (TP-invariant)
 
     def validate(self, max_positions: int) -> None:
         if self.backend not in ("aoti", "onnx"):
@@ -135,7 +136,7 @@ def export(model_spec: str, out_dir: str | Path, opts: ExportOptions, progress: 
     bar = tqdm(total=3 + 2 * len(specs_wanted) * opts.tp, desc="export", disable=not progress, unit="stage")
 
     bar.set_postfix_str("load")
-    cfg, model, src = load_model(model_spec, dtype, dev)
+    cfg, model, src = load_model(model_spec, dtype, dev, fp32_reduce=opts.fp32_reduce)
     opts.validate(cfg.max_position_embeddings)
     ranks = shard(model, opts)
     bar.update()

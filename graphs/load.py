@@ -41,15 +41,15 @@ def model_dir(spec: str | Path) -> Path:
 
 
 def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
-               tp: int = 1, rank: int = 0, group=None):
+               tp: int = 1, rank: int = 0, group=None, fp32_reduce: bool = False):
     """-> (cfg, model, checkpoint dir). tp > 1: rank `rank`'s shard (graphs/tp.py), whose collectives
-    run over `group` (None: the default process group)."""
+    run over `group` (None: the default process group). fp32_reduce: Qwen35Model's option."""
     path = model_dir(spec)
     cfg = ModelConfig.from_file(path)
     if tp != 1:
         check_divisible(cfg, tp)                     # fail before reading any weights
     with torch.device("meta"):
-        model = Qwen35Model(cfg)
+        model = Qwen35Model(cfg, fp32_reduce=fp32_reduce)
     model.to_empty(device="cpu")
     model.inv_freq.copy_(Qwen35Model.rope_inv_freq(cfg))
     load_into(model, path, resolve_dtype(dtype))
@@ -64,7 +64,7 @@ def shard_model(model: Qwen35Model, rank: int, tp: int, group=None) -> Qwen35Mod
     cfg = model.cfg
     sd = shard_state_dict({n: p.detach() for n, p in model.named_parameters()}, cfg, rank, tp)
     with torch.device("meta"):
-        out = Qwen35Model(cfg, tp, group)
+        out = Qwen35Model(cfg, tp, group, model.fp32_reduce)
     own = {}
     for name, p in out.named_parameters():
         t = sd.pop(name)                 # popped: a sliced copy is freed once cloned below

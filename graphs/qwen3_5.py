@@ -17,6 +17,10 @@ Contract (ARCHITECTURE.md "Model graph"):
   head counts, intermediate sizes and the state layout are the rank's (`state_spec(..., tp)`). The
   token-mixer and MLP outputs are all-reduced and the vocab-sharded logits all-gathered with torch
   functional collectives, which torch.export keeps as `_c10d_functional` graph nodes. tp=1 adds no op.
+- fp32_reduce (an export option): the row-parallel projections (o_proj, GDN out_proj, MoE / MLP down)
+  return their fp32 accumulation, all-reduced in fp32 and rounded to the model dtype once, so a bf16
+  model's result does not depend on the TP degree (TP-N == TP-1 up to fp32 summation order). Off, each
+  projection rounds to the model dtype as transformers' does (and each rank's partial rounds).
 No Python control flow depends on tensor values; no env reads; no device branches.
 """
 from __future__ import annotations
@@ -70,6 +74,21 @@ def _linear(n_in, n_out, bias=False):
     return nn.Linear(n_in, n_out, bias=bias)
 
 
+class RowLinear(nn.Linear):
+    """A row-parallel projection (its output is all-reduced under TP). fp32_out: returns the fp32
+    accumulation unrounded (onegraph::linear_f32), for `fp32_reduce`. x [N, in] -> [N, out]."""
+
+    def __init__(self, n_in, n_out, bias=False, fp32_out=False):
+        super().__init__(n_in, n_out, bias=bias)
+        self.fp32_out = fp32_out
+
+    def forward(self, x):
+        if not self.fp32_out:
+            return F.linear(x, self.weight, self.bias)
+        y = ops.linear_f32(x, self.weight)
+        return y if self.bias is None else y + self.bias.float()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, n):
         super().__init__()
@@ -77,7 +96,7 @@ class RMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg: ModelConfig, d: LocalDims):
+    def __init__(self, cfg: ModelConfig, d: LocalDims, fp32_reduce: bool = False):
         super().__init__()
         H, C = cfg.hidden_size, d.conv_dim
         vd = d.linear_v_heads * cfg.linear_v_dim
@@ -92,7 +111,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(d.linear_v_heads))
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(cfg.linear_v_dim))
-        self.out_proj = _linear(vd, H)
+        self.out_proj = RowLinear(vd, H, fp32_out=fp32_reduce)
 
     def _finish(self, core, x):
         """core [N, HV, V], x [N, H] (normed input) -> [N, H]."""
@@ -130,14 +149,14 @@ class GatedDeltaNet(nn.Module):
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, d: LocalDims):
+    def __init__(self, cfg: ModelConfig, d: LocalDims, fp32_reduce: bool = False):
         super().__init__()
         H, D = cfg.hidden_size, cfg.head_dim
         self.cfg, self.num_heads, self.num_kv_heads = cfg, d.num_heads, d.num_kv_heads
         self.q_proj = _linear(H, d.num_heads * D * 2, cfg.attention_bias)      # query ‖ gate per head
         self.k_proj = _linear(H, d.num_kv_heads * D, cfg.attention_bias)
         self.v_proj = _linear(H, d.num_kv_heads * D, cfg.attention_bias)
-        self.o_proj = _linear(d.num_heads * D, H, cfg.attention_bias)
+        self.o_proj = RowLinear(d.num_heads * D, H, cfg.attention_bias, fp32_out=fp32_reduce)
         self.q_norm = RMSNorm(D)
         self.k_norm = RMSNorm(D)
         self.scale = D ** -0.5
@@ -178,10 +197,10 @@ class GatedAttention(nn.Module):
 
 
 class SparseMoe(nn.Module):
-    def __init__(self, cfg: ModelConfig, d: LocalDims):
+    def __init__(self, cfg: ModelConfig, d: LocalDims, fp32_reduce: bool = False):
         super().__init__()
         H, E, I, Is = cfg.hidden_size, cfg.num_experts, d.moe_intermediate, d.shared_intermediate
-        self.top_k = cfg.top_k
+        self.top_k, self.fp32_out = cfg.top_k, fp32_reduce
         self.gate = nn.Module()
         self.gate.weight = nn.Parameter(torch.zeros(E, H))
         self.experts = nn.Module()
@@ -194,40 +213,41 @@ class SparseMoe(nn.Module):
         se = self.shared_expert
         return ops.fused_moe(x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj,
                              se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight,
-                             self.shared_expert_gate.weight, self.top_k)
+                             self.shared_expert_gate.weight, self.top_k, self.fp32_out)
 
 
 class DenseMlp(nn.Module):
-    def __init__(self, H, I):
+    def __init__(self, H, I, fp32_reduce: bool = False):
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = _linear(H, I), _linear(H, I), _linear(I, H)
+        self.gate_proj, self.up_proj, self.down_proj = _linear(H, I), _linear(H, I), RowLinear(I, H, fp32_out=fp32_reduce)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, kind: str, d: LocalDims):
+    def __init__(self, cfg: ModelConfig, kind: str, d: LocalDims, fp32_reduce: bool):
         super().__init__()
         self.kind = kind
         if kind == "linear_attention":
-            self.linear_attn = GatedDeltaNet(cfg, d)
+            self.linear_attn = GatedDeltaNet(cfg, d, fp32_reduce)
         else:
-            self.self_attn = GatedAttention(cfg, d)
-        self.mlp = SparseMoe(cfg, d) if cfg.is_moe else DenseMlp(cfg.hidden_size, d.intermediate_size)
+            self.self_attn = GatedAttention(cfg, d, fp32_reduce)
+        self.mlp = (SparseMoe(cfg, d, fp32_reduce) if cfg.is_moe
+                    else DenseMlp(cfg.hidden_size, d.intermediate_size, fp32_reduce))
         self.input_layernorm = RMSNorm(cfg.hidden_size)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size)
 
 
 class Qwen35Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: int = 1, group=None):
+    def __init__(self, cfg: ModelConfig, tp: int = 1, group=None, fp32_reduce: bool = False):
         """tp > 1: this rank's shard (load it with graphs/tp.py shard_state_dict); `group` is the
-        tensor-parallel process group (None: the default group)."""
+        tensor-parallel process group (None: the default group). fp32_reduce: see the module docstring."""
         super().__init__()
-        self.cfg, self.tp, self.group = cfg, tp, group
+        self.cfg, self.tp, self.group, self.fp32_reduce = cfg, tp, group, fp32_reduce
         d = self.dims = local_dims(cfg, tp)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, kind, d) for kind in cfg.layer_types)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, kind, d, fp32_reduce) for kind in cfg.layer_types)
         self.norm = RMSNorm(cfg.hidden_size)
         if not cfg.tie_word_embeddings or tp > 1:                       # tp > 1: a vocab shard, even if tied
             self.lm_head = _linear(cfg.hidden_size, d.vocab)
@@ -246,12 +266,13 @@ class Qwen35Model(nn.Module):
         import torch.distributed as dist
         return self.group if self.group is not None else dist.group.WORLD
 
-    def _all_reduce(self, x):
-        """Sum of the ranks' partial outputs (row-parallel projections); identity at tp=1."""
-        if self.tp == 1:
-            return x
-        from torch.distributed import _functional_collectives as funcol
-        return funcol.all_reduce(x, "sum", self._group())
+    def _all_reduce(self, x, dtype):
+        """Sum of the ranks' partial outputs (row-parallel projections), in the model dtype `dtype` (one
+        rounding after the fp32 sum under fp32_reduce); at tp=1 only that rounding."""
+        if self.tp > 1:
+            from torch.distributed import _functional_collectives as funcol
+            x = funcol.all_reduce(x, "sum", self._group())
+        return x.to(dtype)
 
     def state_spec(self, slots: int, max_seq_len: int, dtype: torch.dtype) -> list[StateTensor]:
         return state_spec(self.cfg, slots, max_seq_len, dtype, self.tp)
@@ -261,9 +282,9 @@ class Qwen35Model(nn.Module):
         eps, it = self.cfg.rms_norm_eps, iter(state)
         x = ops.rms_norm(h, self.layers[0].input_layernorm.weight, eps)
         for li, layer in enumerate(self.layers):
-            mixed = self._all_reduce(mixer(layer, x, (next(it), next(it))))
+            mixed = self._all_reduce(mixer(layer, x, (next(it), next(it))), h.dtype)
             x, h = ops.add_rms_norm(mixed, h, layer.post_attention_layernorm.weight, eps)
-            m = self._all_reduce(layer.mlp(x))      # MoE: routed + gated shared, both partial: one reduce
+            m = self._all_reduce(layer.mlp(x), h.dtype)   # MoE: routed + gated shared, both partial: one reduce
             nxt = self.layers[li + 1].input_layernorm.weight if li + 1 < len(self.layers) else self.norm.weight
             x, h = ops.add_rms_norm(m, h, nxt, eps)
         return x                                                            # final-normed [N, H]

@@ -155,12 +155,12 @@ def randomise_(model: torch.nn.Module, device, seed: int = 0) -> None:
 
 
 @torch.no_grad()
-def random_model(cfg, dtype: torch.dtype, device, seed: int = 0):
+def random_model(cfg, dtype: torch.dtype, device, seed: int = 0, fp32_reduce: bool = False):
     """A Qwen35Model built on `device` (meta -> to_empty -> seeded init), same scales as the tiny
     weights; for benchmarking shapes whose weights cannot be shipped."""
     from .qwen3_5 import Qwen35Model
     with torch.device("meta"):
-        model = Qwen35Model(cfg).to(dtype)              # allocate in the target dtype directly (35B: 69 GB)
+        model = Qwen35Model(cfg, fp32_reduce=fp32_reduce).to(dtype)   # allocated in the target dtype (35B: 69 GB)
     model.to_empty(device=device)
     randomise_(model, device, seed)
     model.inv_freq = Qwen35Model.rope_inv_freq(cfg).to(device)   # the rope table stays fp32

@@ -89,6 +89,10 @@ def case_fused_moe(g):
             g.m(1, H, scale=H ** -0.5), 2]
 
 
+def case_linear_f32(g):
+    return [g.m(5, H), g.m(IS, H, scale=H ** -0.5)]
+
+
 def gdn_params(g):
     A_log = ("model", torch.empty(HV).uniform_(1.0, 16.0, generator=g.g).log())
     dt_bias = ("model", torch.empty(HV).uniform_(-1.0, 1.0, generator=g.g))
@@ -191,6 +195,8 @@ VALIDATION = [
     ("fused_moe", 3, torch.zeros(E, H, I + 1), f"fused_moe down: expected shape [{E}, {H}, {I}]"),
     ("fused_moe", 1, torch.zeros(E - 1, H), f"fused_moe router_w: expected shape [{E}, {H}]"),
     ("fused_moe", 7, torch.zeros(H), f"fused_moe shared_gate_w: expected shape [1, {H}]"),
+    ("linear_f32", 1, torch.zeros(IS, H + 1), f"linear_f32 w: expected shape [*, {H}]"),
+    ("linear_f32", 0, torch.zeros(H), "linear_f32 x: expected shape [*, *]"),
     ("gdn_decode_step", 1, torch.zeros(B, HV + 1), f"gdn_decode_step a: expected shape [{B}, {HV}]"),
     ("gdn_decode_step", 0, torch.zeros(B, C + 1), f"qkv channels {C + 1} != 2*{HK}*{K} + {HV}*{V}"),
     ("gdn_decode_step", 3, torch.zeros(S, C, W), f"gdn_decode_step conv_state: expected shape [{S}, {C}, {W - 1}]"),
@@ -283,6 +289,44 @@ def test_fused_moe_matches_per_token_loop():
         # the single-token (gathered-experts) path agrees with the loop path
         alone = ops.fused_moe(x[t:t + 1], router, gu, down, sg, su, sd, sgw, k)
         assert (alone[0] - out[t]).abs().max() <= 1e-5, f"token {t}: gather path differs from loop path"
+
+
+def test_linear_f32_is_the_unrounded_product():
+    """bf16 operands: the fp32 output equals the float64 product to fp32 accuracy (a bf16 linear is off by
+    up to half a bf16 ulp), and rounding it to bf16 gives the bf16 linear."""
+    x, w = op_args("linear_f32", torch.bfloat16)
+    out = ops.linear_f32(x, w)
+    exact = x.double() @ w.double().t()
+    assert out.dtype == torch.float32
+    assert (out.double() - exact).abs().max() <= 1e-6 * exact.abs().max()
+    assert (F.linear(x, w).double() - exact).abs().max() > 1e-4 * exact.abs().max()
+    assert torch.equal(out.bfloat16(), F.linear(x, w))
+
+
+def test_fused_moe_fp32_out_is_the_unrounded_combine():
+    """fp32_out on bf16 inputs (the all-experts loop path): given the bf16 activations the reference
+    computes (bf16 F.linear / silu / product, recomputed here the same way), the routed and shared sums
+    in float64 match to fp32 accuracy; the gathered (decode) path agrees up to an activation that rounds
+    to the other bf16 neighbour."""
+    g = Gen(5)
+    x, router, gu, down, sg, su, sd, sgw, k = materialise(case_fused_moe(g), torch.bfloat16)
+    x = g.f(12, H).bfloat16()                                   # 12 * top_k > E: the loop path
+    out = ops.fused_moe(x, router, gu, down, sg, su, sd, sgw, k, True)
+    assert out.dtype == torch.float32
+    probs = torch.softmax(F.linear(x, router), -1, dtype=torch.float32)
+    w, idx = probs.topk(k)
+    w = (w / w.sum(-1, keepdim=True)).bfloat16()
+    ref = torch.zeros(x.shape, dtype=torch.float64)
+    for e in range(E):
+        act = (F.silu(F.linear(x, gu[e, :I])) * F.linear(x, gu[e, I:])).double()       # [T, I] bf16 values
+        we = (w.double() * (idx == e)).sum(-1, keepdim=True)
+        ref += (act @ down[e].double().t()) * we
+    act_sh = (F.silu(F.linear(x, sg)) * F.linear(x, su)).double()
+    ref += torch.sigmoid(F.linear(x, sgw)).double() * (act_sh @ sd.double().t())
+    assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    for t in range(x.shape[0]):
+        alone = ops.fused_moe(x[t:t + 1], router, gu, down, sg, su, sd, sgw, k, True)
+        assert (alone[0] - out[t]).abs().max() <= 1e-2, f"token {t}: gather path differs from loop path"
 
 
 def test_causal_conv_matches_conv1d():

@@ -6,6 +6,8 @@
   gloo processes: greedy ids == TP-1 for 32 tokens, logits within 1e-4 (every rank gathers the full
   logits; rank 0 writes them); each rank's state has its own head count;
 - a TP degree that cannot split the model raises ValueError naming the dimension and its size;
+- bf16 TP-2 with fp32_reduce gives TP-1's (fp32_reduce) greedy ids up to an exact top-2 tie; without
+  it TP-2 leaves TP-1 within a few tokens;
 - a TP-2 fp32 `tiny` artifact (one export shared by the module) replayed by `torchrun -m onegraph
   generate`: greedy ids == TP-1 eager for 32 tokens (issue #8: this used to deadlock 1 run in 6);
   served by `torchrun -m onegraph serve` (rank 0 serves, rank 1 follows): two concurrent requests get
@@ -213,6 +215,49 @@ def test_tp2_bf16_passes_tp1_fixture_through_router_near_ties(tmp_path):
     got = torch.load(out)
     assert got["report"]["routing_flips"], got
     assert "parity fixture" in got["strict"], got
+
+
+INVARIANCE_PROMPTS = [PROMPT, list(b"Colours of the rainbow: red, orange,"), [1, 2, 3], list(range(40, 60))]
+
+
+def _bf16_worker(rank, tp, port, out_path):
+    with _gloo_rank(rank, tp, port):
+        res = {}
+        for f in (False, True):
+            _, model, _ = load_model("tiny", "bfloat16", tp=tp, rank=rank, fp32_reduce=f)
+            res[f] = [generate_eager(model, p, 64, max_seq_len=128) for p in INVARIANCE_PROMPTS]
+            res[f] = [(r.token_ids, torch.stack(r.logits).float()) for r in res[f]]
+        if rank == 0:
+            torch.save(res, out_path)
+
+
+def test_tp2_bf16_fp32_reduce_gives_tp1_ids(tmp_path):
+    """bf16 `tiny`, 4 prompts x 64 greedy tokens, TP-2 vs TP-1 of the same option.
+    Default: each rank rounds its partial sums to bf16 and the all-reduce adds bf16, so TP-2's logits
+    differ from TP-1's from the first step on every prompt, and its ids leave TP-1's early (at steps 0,
+    10, 2, 30 when written: the tiny model's top two logits are often 1-2 bf16 steps apart).
+    fp32_reduce: fp32 partials, fp32 all-reduce, one rounding; what is left is the fp32 summation order,
+    so the logits are bit-identical on most prompts (3 of 4 at step 0, 2 of 4 for all 64 steps when
+    written) and the ids agree for 235 of 256 steps, leaving TP-1 only at a near-tie (top two logits
+    within two bf16 steps; when written, an exact tie at step 43)."""
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_bf16_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    got = torch.load(out)
+    agreed, step0_same = {}, {}
+    for f in (False, True):
+        _, model, _ = load_model("tiny", "bfloat16", fp32_reduce=f)
+        agreed[f], step0_same[f] = 0, 0
+        for p, (ids, logits) in zip(INVARIANCE_PROMPTS, got[f]):
+            ref = generate_eager(model, p, 64, max_seq_len=128)
+            step0_same[f] += torch.equal(logits[0], ref.logits[0].float())
+            i = _first_diff(ids, ref.token_ids)
+            agreed[f] += len(ids) if i is None else i
+            if f and i is not None:
+                top2 = ref.logits[i].float().topk(2).values
+                assert float(top2[0] - top2[1]) <= 1 / 32, \
+                    f"fp32_reduce TP-2 left TP-1 at step {i} of prompt {p[:4]}, top-2 gap {float(top2[0] - top2[1]):.3g}"
+    assert step0_same[False] == 0 and step0_same[True] >= 1, step0_same
+    assert agreed[True] > agreed[False], agreed
 
 
 # ---- the exported TP-2 artifact, replayed under torchrun ----

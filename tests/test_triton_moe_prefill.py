@@ -88,6 +88,11 @@ def test_prefill_matches_reference(T, H, E, I, Is, top_k, hot, cold, dtype):
     # the op dispatched to the prefill kernels: same bits as calling them directly
     w, idx = route(args[0], args[1], top_k)
     assert torch.equal(got, prefill_mod.fused_moe_prefill(args[0], w, idx, *args[2:8]))
+    # fp32_out: unrounded fp32 sums after the (still bf16-rounded) activations
+    got32, ref32 = ops.fused_moe_triton(*args, True), reference_fused_moe(*args, True)
+    assert got32.dtype == ref32.dtype == torch.float32
+    compare(got32, ref32, 1e-4, 1.0, f"{dtype} fp32_out T={T}")
+    assert torch.equal(got32, prefill_mod.fused_moe_prefill(args[0], w, idx, *args[2:8], torch.float32))
 
 
 @needs_triton
@@ -151,3 +156,4 @@ def test_fused_moe_prefill_35b(T, hot):
     """hot=(17,): expert 17 takes all 512 tokens (32 M-tiles of BM = 16), the others share the rest."""
     args = moe_args(T, 2048, 256, 512, 512, 8, BF16, seed=T, hot=hot)
     compare(ops.fused_moe_triton(*args), reference_fused_moe(*args), 3e-2, 2e-2, f"35B prefill T={T} hot={hot}")
+    compare(ops.fused_moe_triton(*args, True), reference_fused_moe(*args, True), 3e-3, 1.0, f"35B prefill fp32_out T={T}")  # an act 1-ulp flip: ~3e-4

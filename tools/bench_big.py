@@ -286,6 +286,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-reps", type=int, default=3)
     ap.add_argument("--transformers", action="store_true",
                     help="then transformers eager on the same config and batches (its own random weights)")
+    ap.add_argument("--fp32-reduce", action="store_true", help="the export option of that name (TP-invariant sums)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -301,10 +302,10 @@ def main(argv=None) -> int:
     res = {"command": ("torchrun --nproc-per-node {} -m ".format(tp) if tp > 1 else "python -m ")
            + "onegraph.tools.bench_big " + " ".join(sys.argv[1:] if argv is None else argv),
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tp": tp,
-           "position": args.position, "kernels": args.kernels}
+           "position": args.position, "kernels": args.kernels, "fp32_reduce": args.fp32_reduce}
     t = time.time()
     cfg = ModelConfig.from_hf(QWEN35_35B_A3B_HF_CONFIG)
-    model = random_model(cfg, torch.bfloat16, dev)       # every rank: the same seeded weights
+    model = random_model(cfg, torch.bfloat16, dev, fp32_reduce=args.fp32_reduce)   # every rank: the same weights
     if tp > 1:
         full, model = model, shard_model(model, args.rank, tp)
         del full

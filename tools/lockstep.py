@@ -36,7 +36,8 @@ def eager_twin(ex):
     from onegraph.runtime.executor import GraphExecutor
     m = ex.manifest
     with torch.device("meta"):
-        model = Qwen35Model(ModelConfig.from_dict(m["model"]), m.get("tp", {}).get("size", 1))
+        model = Qwen35Model(ModelConfig.from_dict(m["model"]), m.get("tp", {}).get("size", 1),
+                            fp32_reduce=m["options"].get("fp32_reduce", False))
     weights = {k.removeprefix("model."): v for k, v in load_weights(m, ex.device).items()}
     inv_freq = weights.pop("inv_freq")           # a buffer the graphs hold as a constant; not in state_dict()
     model.load_state_dict(weights, strict=True, assign=True)

@@ -10,7 +10,8 @@ Kernel 2 (down + combine), grid (T, cdiv(H, BH)): y[t, tile] = sum_j w[t,j] down
 Programs are launched pairs-fastest (kernel 1) and tokens-fastest (kernel 2), so the programs that
 read one expert's tile run together and share it through L2: DRAM traffic ~ distinct experts.
 Numerics: fp32 accumulation; the reference's roundings to x.dtype (gate_up product, silu, act,
-down product, its scaling by w, the routed sum, the shared gate and product) are reproduced.
+down product, its scaling by w, the routed sum, the shared gate and product) are reproduced. With
+fp32_out, y is fp32 and the roundings after the down products are to fp32 (none), as the reference's.
 Prefill (T*k > E, the reference's per-expert loop branch) dispatches to fused_moe_prefill.py: a
 grouped GEMM (tensor cores) over the pairs sorted by expert, with that branch's roundings.
 """
@@ -80,6 +81,7 @@ def _moe_down_kernel(x, idx, wts, down, sh_down, sh_gate_w, act, act_sh, y,
     t = tl.program_id(0)
     ih = tl.program_id(1)
     DT: tl.constexpr = x.dtype.element_ty
+    RT: tl.constexpr = y.dtype.element_ty           # where the down products round: x.dtype, or fp32 (fp32_out)
     rows = ih * BH + tl.arange(0, BH)
     mrow = rows < H
 
@@ -96,8 +98,8 @@ def _moe_down_kernel(x, idx, wts, down, sh_down, sh_gate_w, act, act_sh, y,
             dw = tl.load(down + e * s_d_e + rows[:, None] * s_d_h + offs_i[None, :] * s_d_i,
                          mask=mrow[:, None] & mi[None, :], other=0.0)
             acc += dw.to(tl.float32) * av[None, :]
-        routed += rnd(rnd(tl.sum(acc, axis=1), DT) * wt, DT)                 # (y * w) in x.dtype
-    routed = rnd(routed, DT)                                                 # .sum(1) in x.dtype
+        routed += rnd(rnd(tl.sum(acc, axis=1), RT) * wt, RT)                 # (y * w) in x.dtype
+    routed = rnd(routed, RT)                                                 # .sum(1) in x.dtype
 
     acc = tl.zeros([BH, BI], tl.float32)
     for i0 in range(0, Is, BI):
@@ -107,7 +109,7 @@ def _moe_down_kernel(x, idx, wts, down, sh_down, sh_gate_w, act, act_sh, y,
         dw = tl.load(sh_down + rows[:, None] * s_sd_h + offs_i[None, :] * s_sd_i,
                      mask=mrow[:, None] & mi[None, :], other=0.0)
         acc += dw.to(tl.float32) * av[None, :]
-    shared = rnd(tl.sum(acc, axis=1), DT)
+    shared = rnd(tl.sum(acc, axis=1), RT)
 
     gacc = tl.zeros([BG], tl.float32)                # shared-expert gate: sigmoid(x[t] . shared_gate_w)
     for h0 in range(0, H, BG):
@@ -116,8 +118,8 @@ def _moe_down_kernel(x, idx, wts, down, sh_down, sh_gate_w, act, act_sh, y,
         xv = tl.load(x + t * s_x_t + offs_h * s_x_h, mask=mh, other=0.0).to(tl.float32)
         gacc += tl.load(sh_gate_w + offs_h * s_sgw_h, mask=mh, other=0.0).to(tl.float32) * xv
     gate = rnd(tl.sigmoid(rnd(tl.sum(gacc, axis=0), DT)), DT)
-    res = routed + rnd(gate * shared, DT)
-    tl.store(y + t * s_y_t + rows * s_y_h, to_dt(res, DT), mask=mrow)
+    res = routed + rnd(gate * shared, RT)
+    tl.store(y + t * s_y_t + rows * s_y_h, to_dt(res, RT), mask=mrow)
 
 
 # Tile sizes and warps: kernel 1 reads [BI1, BH1] tiles of gate and of up per step, kernel 2 [BH2, BI2]
@@ -131,8 +133,9 @@ BH2, BI2, W2 = 4, 256, 4
 @triton_op("onegraph::fused_moe_triton", mutates_args=())
 def fused_moe_triton(x: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                      shared_gate: torch.Tensor, shared_up: torch.Tensor, shared_down: torch.Tensor,
-                     shared_gate_w: torch.Tensor, top_k: int) -> torch.Tensor:
+                     shared_gate_w: torch.Tensor, top_k: int, fp32_out: bool = False) -> torch.Tensor:
     _validate(x, router_w, gate_up, down, shared_gate, shared_up, shared_down, shared_gate_w, top_k)
+    out_dtype = torch.float32 if fp32_out else x.dtype
     T, H = x.shape
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
     Is = shared_gate.shape[0]
@@ -140,12 +143,12 @@ def fused_moe_triton(x: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Ten
     if T * top_k > E:     # static at trace time: the reference's prefill branch, as a grouped GEMM
         # this module's `launch` is passed on so that compile_check (which replaces it) records these too
         return fused_moe_prefill.fused_moe_prefill(x, w, idx, gate_up, down, shared_gate, shared_up,
-                                                   shared_down, shared_gate_w, launch=launch)
+                                                   shared_down, shared_gate_w, out_dtype, launch=launch)
     w, idx = w.contiguous(), idx.contiguous()
     P = T * top_k
     act = torch.empty((P, I), dtype=x.dtype, device=x.device)
     act_sh = torch.empty((T, Is), dtype=x.dtype, device=x.device)
-    y = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    y = torch.empty((T, H), dtype=out_dtype, device=x.device)
     BI = min(BI1, next_pow2(max(I, Is)))
     BH = min(BH1, next_pow2(H))
     launch(_moe_swiglu_kernel, (P + T, triton.cdiv(max(I, Is), BI)),

@@ -92,10 +92,11 @@ def _grouped_down_kernel(act, src, wts, blk_e, blk_row, blk_end, wd, out,
                          s_d_e, s_d_n, s_d_k,
                          K: tl.constexpr, H: tl.constexpr, HAS_W: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
-    """out[src[r], n-tile] = rnd(act[r] . wd[e, n-tile]) (* wts[src[r]], rounded) for block b's rows."""
+    """out[src[r], n-tile] = rnd(act[r] . wd[e, n-tile]) (* wts[src[r]], rounded) for block b's rows,
+    rounded to out's dtype (x.dtype, or fp32 for fp32_out)."""
     b = tl.program_id(0)
     nb = tl.program_id(1)
-    DT: tl.constexpr = act.dtype.element_ty
+    DT: tl.constexpr = out.dtype.element_ty
     r0 = tl.load(blk_row + b)
     r1 = tl.load(blk_end + b)
     if r0 < r1:
@@ -125,12 +126,13 @@ def _combine_kernel(x, y_pair, y_sh, sgw, out, s_x_t, s_x_h, s_sgw_h, s_o_t, s_o
     t = tl.program_id(0)
     hb = tl.program_id(1)
     DT: tl.constexpr = x.dtype.element_ty
+    RT: tl.constexpr = out.dtype.element_ty         # x.dtype, or fp32 (fp32_out: no rounding after the GEMMs)
     cols = hb * BH + tl.arange(0, BH)
     mc = cols < H
     # routed: the token's k pair rows, ascending expert id, rounded after each add (0 + y is exact)
     routed = tl.load(y_pair + (t * TOPK) * H + cols, mask=mc, other=0.0).to(tl.float32)
     for j in tl.static_range(1, TOPK):
-        routed = rnd(routed + tl.load(y_pair + (t * TOPK + j) * H + cols, mask=mc, other=0.0).to(tl.float32), DT)
+        routed = rnd(routed + tl.load(y_pair + (t * TOPK + j) * H + cols, mask=mc, other=0.0).to(tl.float32), RT)
     gacc = tl.zeros([BG], tl.float32)               # shared-expert gate: sigmoid(x[t] . shared_gate_w)
     for h0 in range(0, H, BG):
         offs = h0 + tl.arange(0, BG)
@@ -139,8 +141,8 @@ def _combine_kernel(x, y_pair, y_sh, sgw, out, s_x_t, s_x_h, s_sgw_h, s_o_t, s_o
         gacc += tl.load(sgw + offs * s_sgw_h, mask=mh, other=0.0).to(tl.float32) * xv
     gate = rnd(tl.sigmoid(rnd(tl.sum(gacc, axis=0), DT)), DT)
     shared = tl.load(y_sh + t * H + cols, mask=mc, other=0.0).to(tl.float32)
-    res = routed + rnd(gate * shared, DT)
-    tl.store(out + t * s_o_t + cols * s_o_h, to_dt(res, DT), mask=mc)
+    res = routed + rnd(gate * shared, RT)
+    tl.store(out + t * s_o_t + cols * s_o_h, to_dt(res, RT), mask=mc)
 
 
 # Tile caps (tunable with tools/bench_ops.py). BM adapts to the rows per expert (P / E), from 16 (the
@@ -206,9 +208,11 @@ def _grouped_down(act, src, blocks, BM, wd, wts, out, launch):
 
 
 def fused_moe_prefill(x, w, idx, gate_up, down, shared_gate, shared_up, shared_down, shared_gate_w,
-                      launch=_launch):
-    """x [T, H], w [T, k] x.dtype, idx [T, k] int64 (from `route`) -> y [T, H]. `launch` is the caller's
-    module-level launcher (compile_check records launches by replacing it there)."""
+                      out_dtype=None, launch=_launch):
+    """x [T, H], w [T, k] x.dtype, idx [T, k] int64 (from `route`) -> y [T, H] in out_dtype (None: x.dtype;
+    fp32: fused_moe's fp32_out). `launch` is the caller's module-level launcher (compile_check records
+    launches by replacing it there)."""
+    out_dtype = out_dtype or x.dtype
     T, H = x.shape
     k = idx.shape[1]
     E, I2, _ = gate_up.shape
@@ -220,17 +224,17 @@ def fused_moe_prefill(x, w, idx, gate_up, down, shared_gate, shared_up, shared_d
 
     # routed experts: act [P, I] (sorted rows) -> y_pair [P, H] (pair order), each rnd(rnd(y) * w)
     act, src, blocks, BM = _grouped_swiglu(x, ids, E, gate_up, gate_up, u0=I, N=I, topk=k, launch=launch)
-    y_pair = torch.empty((P, H), dtype=x.dtype, device=x.device)
+    y_pair = torch.empty((P, H), dtype=out_dtype, device=x.device)
     _grouped_down(act, src, blocks, BM, down, w, y_pair, launch)
 
     # shared expert: one group holding every token -> y_sh [T, H]
     zeros = torch.zeros(T, dtype=torch.int64, device=x.device)
     act_sh, src_sh, blocks_sh, BM_sh = _grouped_swiglu(x, zeros, 1, shared_gate, shared_up, u0=0, N=Is, topk=1,
                                                         launch=launch)
-    y_sh = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    y_sh = torch.empty((T, H), dtype=out_dtype, device=x.device)
     _grouped_down(act_sh, src_sh, blocks_sh, BM_sh, shared_down, None, y_sh, launch)
 
-    y = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    y = torch.empty((T, H), dtype=out_dtype, device=x.device)
     BH = min(BH_COMBINE, next_pow2(H))
     launch(_combine_kernel, (T, triton.cdiv(H, BH)),
            x, y_pair, y_sh, shared_gate_w, y, *x.stride(), shared_gate_w.stride(1), *y.stride(),
