@@ -68,6 +68,8 @@ class ExportOptions:
             raise ValueError(f"--max-seq-len must be in 1..{max_positions} (max_position_embeddings)")
         if self.tp < 1:
             raise ValueError(f"--tp must be >= 1, got {self.tp}")
+        if self.fp32_reduce and self.backend != "aoti":
+            raise ValueError("--fp32-reduce needs --backend aoti (the ONNX backend is fp32 only: its sums are fp32 already)")
         if self.tp > 1 and self.backend != "aoti":
             raise ValueError("--tp > 1 needs --backend aoti (the ONNX backend has no collectives)")
         resolve_dtype(self.dtype)

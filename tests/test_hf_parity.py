@@ -15,12 +15,15 @@ STEPS = 32
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 11]
 
 
+@pytest.mark.parametrize("fp32_reduce", [False, True], ids=["default", "fp32_reduce"])
 @pytest.mark.parametrize("case", sorted(hf_models.CASES))
-def test_matches_transformers(case, tmp_path):
+def test_matches_transformers(case, fp32_reduce, tmp_path):
+    """fp32_reduce (fp32 row-parallel outputs: linear_f32, fused_moe fp32_out, the dense MLP's down) is the
+    same arithmetic in an fp32 model, so it must meet transformers exactly as the default does."""
     hf = hf_models.build(case)
     hf.save_pretrained(tmp_path)
     ref_ids, ref_logits = hf_models.hf_greedy(hf, PROMPT, STEPS)
-    _, model, _ = load_model(tmp_path, "float32")
+    _, model, _ = load_model(tmp_path, "float32", fp32_reduce=fp32_reduce)
     got = generate_eager(model, PROMPT, STEPS)
     for step, (a, b) in enumerate(zip(got.logits, ref_logits)):
         diff = (a - b).abs().max().item()
