@@ -3,6 +3,11 @@ when installed), side by side in one run, written as JSON with the command that 
 
     onegraph bench --preset tiny --out benchmarks/cpu_tiny.json
     onegraph bench --preset tiny --device cuda --dtype bfloat16 --out benchmarks/h200_tiny.json
+    torchrun --nproc-per-node 2 -m onegraph bench --preset tiny --artifact TP2_DIR --out tp2.json
+
+Tensor parallel (under torchrun, an exported TP artifact): rank 0 times the replay while the others follow
+its steps, then every rank runs its eager shard in lockstep (the eager side's collectives pair up), then
+rank 0 times the engine while the others follow again; rank 0 writes the JSON.
 
 Metrics: decode ms/token and tok/s per batch size for each mode (a step of B rows yields B tokens),
 prefill ms for one chunk, and host µs per engine step (CPU time outside the graph call:
@@ -27,17 +32,18 @@ def _sync(device):
 
 
 def time_decode(executor, B: int, steps: int, warmup: int = 5) -> float:
-    """ms per decode step of B rows (slots 0..B-1, each prefilled with a short prompt)."""
+    """ms per decode step of B rows (slots 0..B-1, each prefilled with a short prompt; each step feeds
+    the ids the last one sampled, which is also what a tensor-parallel leader may do)."""
     from onegraph.runtime.executor import Sampling
     for s in range(B):
         executor.prefill([1 + s, 2, 3], s)
-    tokens, slots = [5] * B, list(range(B))
+    slots = list(range(B))
     for _ in range(warmup):
-        executor.decode(tokens, slots, [3] * B, [Sampling()] * B)
+        executor.decode_step(slots, [3] * B, [Sampling()] * B)
     _sync(executor.device)
     t = time.perf_counter()
     for i in range(steps):
-        executor.decode(tokens, slots, [3 + i % 8] * B, [Sampling()] * B)
+        executor.decode_step(slots, [3 + i % 8] * B, [Sampling()] * B)
     _sync(executor.device)
     return (time.perf_counter() - t) / steps * 1e3
 
@@ -60,6 +66,7 @@ def engine_host_us(artifact: Path, device: str, n_tokens: int = 64, runs: int = 
 
     from onegraph.runtime import Engine
     eng = Engine.from_artifact(artifact, max_slots=1, device=device, check_parity=False)
+    n_tokens = min(n_tokens, eng.ex.max_seq_len - 3)          # the prompt is 3 tokens
     per_run = []
     try:
         eng.generate([1, 2, 3], 8)
@@ -106,12 +113,44 @@ def hf_decode_ms(model, B: int, steps: int, device, prompt_len: int = 3) -> floa
     return (time.perf_counter() - t) / steps * 1e3
 
 
-def run(args) -> dict:
+class BenchError(ValueError):
+    """A bad bench request: one line on stderr, exit 2."""
+
+
+def _tp_init(args) -> tuple[int, int]:
+    """(rank, tp): (0, 1) outside torchrun. An existing --artifact must be for --dtype / --device (the eager
+    side is built from them); under torchrun it must exist and be exported for exactly this many ranks
+    (bench does not export per rank)."""
+    import os
+
+    from onegraph.runtime import tp as tpr
+    from onegraph.runtime.artifact import load_manifest
+    m = None
+    if args.artifact and (Path(args.artifact) / "manifest.json").is_file():
+        m = load_manifest(args.artifact, None)
+        if (m["dtype"], m["device"]["type"]) != (args.dtype, torch.device(args.device).type):
+            raise BenchError(f"artifact {args.artifact} is {m['dtype']} on {m['device']['type']}: pass --dtype "
+                             f"{m['dtype']} --device {m['device']['type']}")
+    if not tpr.launched_by_torchrun():
+        return 0, 1
+    if m is None:
+        raise BenchError("under torchrun, bench replays an exported tensor-parallel artifact: pass --artifact DIR "
+                         "(onegraph export MODEL --tp N --out DIR)")
+    tp, world = m.get("tp", {}).get("size", 1), int(os.environ["WORLD_SIZE"])
+    if tp != world:
+        raise BenchError(f"artifact {args.artifact} is exported for tp={tp}, launched with {world} ranks")
+    return tpr.init_from_torchrun(m["device"]["type"])
+
+
+def run(args) -> dict | None:
+    """-> the results (None on tensor-parallel ranks > 0)."""
     from onegraph.export.pipeline import ExportOptions, export
     from onegraph.graphs.load import load_model, model_dir
+    from onegraph.runtime import tp as tpr
     from onegraph.runtime.executor import GraphExecutor
     if args.threads:
         torch.set_num_threads(args.threads)
+    rank, tp = _tp_init(args)
     src = model_dir(args.preset)
     batch = tuple(sorted(set(args.batch_sizes)))
     artifact = Path(args.artifact) if args.artifact else Path(tempfile.mkdtemp(prefix="onegraph-bench-")) / "art"
@@ -121,27 +160,42 @@ def run(args) -> dict:
                                                  prefill_chunks=(args.prefill_chunk,), max_seq_len=args.max_seq_len),
                progress=not args.quiet)
     export_s = time.time() - t
-    replay = GraphExecutor.from_artifact(artifact, max_slots=max(batch), device=args.device, check_parity=False)
-    _, model, _ = load_model(src, args.dtype, args.device)
-    eager = GraphExecutor.from_model(model, {"decode": list(batch), "prefill": [args.prefill_chunk]},
-                                     max_slots=max(batch), max_seq_len=args.max_seq_len)
-    rows = []
-    for B in batch:
-        r_ms = time_decode(replay, B, args.steps)
-        e_ms = time_decode(eager, B, max(3, args.steps // 10))
-        rows.append({"batch": B, "replay_ms_per_step": round(r_ms, 4), "eager_ms_per_step": round(e_ms, 4),
-                     "replay_tok_s": round(B / r_ms * 1e3, 1), "eager_tok_s": round(B / e_ms * 1e3, 1),
-                     "replay_speedup_vs_eager": round(e_ms / r_ms, 2)})
+    try:
+        # 1. replay: rank 0 times it, the other ranks replay the steps it broadcasts
+        replay = GraphExecutor.from_artifact(artifact, max_slots=max(batch), device=args.device, check_parity=False)
+        if rank == 0:
+            r_ms = {B: time_decode(replay, B, args.steps) for B in batch}
+            prefill_ms = time_prefill(replay, args.prefill_chunk)
+            replay.stop_followers()
+        else:
+            replay.follow()
+        del replay
+        # 2. eager: every rank its own shard, the same calls in the same order
+        _, model, _ = load_model(src, args.dtype, args.device, tp=tp, rank=rank)
+        eager = GraphExecutor.from_model(model, {"decode": list(batch), "prefill": [args.prefill_chunk]},
+                                         max_slots=max(batch), max_seq_len=args.max_seq_len)
+        e_ms = {B: time_decode(eager, B, max(3, args.steps // 10)) for B in batch}
+        # 3. the engine's host time per step (rank 0's Engine leads a fresh executor on every rank)
+        if rank > 0:
+            GraphExecutor.from_artifact(artifact, max_slots=1, device=args.device, check_parity=False).follow()
+            return None
+        engine = engine_host_us(artifact, args.device)
+    finally:
+        tpr.leave()
+    rows = [{"batch": B, "replay_ms_per_step": round(r_ms[B], 4), "eager_ms_per_step": round(e_ms[B], 4),
+             "replay_tok_s": round(B / r_ms[B] * 1e3, 1), "eager_tok_s": round(B / e_ms[B] * 1e3, 1),
+             "replay_speedup_vs_eager": round(e_ms[B] / r_ms[B], 2)} for B in batch]
     tf_ms = transformers_ms(src, args.device, model.embed_tokens.weight.dtype, max(3, args.steps // 10)) \
-        if args.transformers else None
+        if args.transformers and tp == 1 else None
+    launcher = f"torchrun --nproc-per-node {tp} -m onegraph bench " if tp > 1 else "onegraph bench "
     return {
-        "command": "onegraph bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
-        "preset": args.preset, "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(),
+        "command": launcher + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
+        "tp": tp, "preset": args.preset, "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(),
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
         "export_seconds": round(export_s, 1), "decode": rows,
-        "prefill_ms": {str(args.prefill_chunk): round(time_prefill(replay, args.prefill_chunk), 3)},
-        "engine": engine_host_us(artifact, args.device),
+        "prefill_ms": {str(args.prefill_chunk): round(prefill_ms, 3)},
+        "engine": engine,
         "transformers_eager_ms_per_token_bs1": None if tf_ms is None else round(tf_ms, 3),
     }
 
@@ -170,7 +224,13 @@ def main(args) -> int:
             print("bench: --out is required for the qwen3.5-35b-a3b preset", file=sys.stderr)
             return 2
         return bench_big.main(["--batch", ",".join(map(str, args.batch_sizes)), "--profile", "--out", args.out])
-    res = run(args)
+    try:
+        res = run(args)
+    except BenchError as e:
+        print(f"onegraph bench: error: {e}", file=sys.stderr)
+        return 2
+    if res is None:                                # a tensor-parallel follower: rank 0 reports
+        return 0
     text = json.dumps(res, indent=2)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
