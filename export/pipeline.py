@@ -26,8 +26,10 @@ import torch
 from tqdm import tqdm
 
 from onegraph.custom_ops import schema_versions
+from onegraph.graphs.config import ModelConfig
 from onegraph.graphs.eager import SamplingParams, generate_eager, router_margins
-from onegraph.graphs.load import load_model, resolve_dtype
+from onegraph.graphs.load import load_model, model_dir, resolve_dtype
+from onegraph.graphs.tp import check_divisible
 from onegraph.runtime.artifact import device_descriptor, tool_versions, write_manifest
 
 from .entry import graph_spec
@@ -125,6 +127,9 @@ def export(model_spec: str, out_dir: str | Path, opts: ExportOptions, progress: 
     """Run every stage; returns a summary. The output directory is replaced."""
     from safetensors.torch import save_file
     t0 = time.time()
+    cfg = ModelConfig.from_file(model_dir(model_spec))
+    opts.validate(cfg.max_position_embeddings)          # before anything is written or removed
+    check_divisible(cfg, opts.tp)
     out = Path(out_dir)
     if out.exists():
         if not (out / "manifest.json").is_file() and any(out.iterdir()):
@@ -139,7 +144,6 @@ def export(model_spec: str, out_dir: str | Path, opts: ExportOptions, progress: 
 
     bar.set_postfix_str("load")
     cfg, model, src = load_model(model_spec, dtype, dev, fp32_reduce=opts.fp32_reduce)
-    opts.validate(cfg.max_position_embeddings)
     ranks = shard(model, opts)
     bar.update()
 
@@ -215,7 +219,7 @@ def inspect(path: str | Path) -> str:
              f"device={m['device']}  max_seq_len={m['max_seq_len']}",
              f"model: {m['model']['model_type']} layers={len(m['model']['layer_types'])} "
              f"hidden={m['model']['hidden_size']} vocab={m['model']['vocab_size']}",
-             f"versions: {m['versions']}", f"ops: {m['ops']}"]
+             f"options: {m['options']}", f"versions: {m['versions']}", f"ops: {m['ops']}"]
     for name, g in m["graphs"].items():
         top = sorted(g["ops"].items(), key=lambda kv: -kv[1])[:6]
         lines.append(f"  {name:<14} nodes={g['node_count']:<6} file={g['file']}  top ops: "

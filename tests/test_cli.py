@@ -58,6 +58,8 @@ def runs(dirs):
         "err_oov": ["generate", "tiny", "--eager", "--prompt-ids", f"1,{TINY_HF_CONFIG['vocab_size']}"],
         "err_llama": ["generate", dirs["llama"], "--eager", "--prompt-ids", "1,2"],
         "err_max_new": ["generate", "tiny", "--eager", "--prompt-ids", "1,2", "--max-new-tokens", 0],
+        "err_fp32_reduce_onnx": ["export", "tiny", "--out", dirs["root"] / "onnx", "--backend", "onnx", "--fp32-reduce"],
+        "err_fp32_reduce_replay": ["generate", "tiny", "--prompt-ids", "1,2", "--fp32-reduce"],
     }
 
     def init_then_generate():
@@ -127,6 +129,8 @@ def test_init_tiny_then_generate_matches_builtin(runs, dirs):
     ("err_oov", str(TINY_HF_CONFIG["vocab_size"])),
     ("err_llama", "model_type"),
     ("err_max_new", "max-new-tokens"),
+    ("err_fp32_reduce_onnx", "--fp32-reduce needs --backend aoti"),
+    ("err_fp32_reduce_replay", "--fp32-reduce applies to --eager"),
 ])
 def test_user_errors_are_one_line(runs, name, needle):
     p = runs[name]
@@ -135,3 +139,14 @@ def test_user_errors_are_one_line(runs, name, needle):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1, f"{name}: expected one stderr line, got {lines}"
     assert needle in lines[0], f"{name}: {needle!r} not in {lines[0]!r}"
+
+
+def test_bad_export_options_leave_an_existing_artifact_alone(tmp_path):
+    """Options are checked before the output directory (replaced by a good export) is touched."""
+    out = tmp_path / "art"
+    out.mkdir()
+    (out / "manifest.json").write_text("{}")
+    for bad in (["--backend", "onnx", "--dtype", "bfloat16"], ["--tp", "3"], ["--max-seq-len", "0"]):
+        p = onegraph("export", "tiny", "--out", out, "--quiet", *bad)
+        assert p.returncode == 2 and "Traceback" not in p.stderr, (bad, p.stderr)
+        assert (out / "manifest.json").read_text() == "{}", f"{bad}: the existing directory was removed"

@@ -124,6 +124,7 @@ def test_cli_export_generate_inspect(tiny_artifact, tiny_eager, tmp_path):
     r = subprocess.run([sys.executable, "-m", "onegraph", "inspect", str(tiny_artifact)], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and "decode_b4" in r.stdout and "prefill_t16" in r.stdout
+    assert "'fp32_reduce': False" in r.stdout and "'kernels': 'auto'" in r.stdout      # the export options
     r = subprocess.run([sys.executable, "-m", "onegraph", "export", "tiny", "--out", str(tmp_path / "x"),
                         "--batch-sizes", "0"], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "batch-sizes" in r.stderr and "Traceback" not in r.stderr
