@@ -219,7 +219,8 @@ class SparseMoe(nn.Module):
 class DenseMlp(nn.Module):
     def __init__(self, H, I, fp32_reduce: bool = False):
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = _linear(H, I), _linear(H, I), RowLinear(I, H, fp32_out=fp32_reduce)
+        self.gate_proj, self.up_proj = _linear(H, I), _linear(H, I)
+        self.down_proj = RowLinear(I, H, fp32_out=fp32_reduce)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -295,7 +296,9 @@ class Qwen35Model(nn.Module):
             return logits
         from torch.distributed import _functional_collectives as funcol
         N = x.shape[0]
-        parts = funcol.all_gather_tensor(logits, 0, self._group())         # [tp * N, vocab / tp], rank-major
+        # all_gather_single (torch >= 2.12; all_gather_tensor, its old name, warns there): one graph node either way
+        gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+        parts = gather(logits, 0, self._group())                          # [tp * N, vocab / tp], rank-major
         full = parts.reshape(self.tp, N, -1).permute(1, 0, 2).reshape(N, -1)
         return full[:, : self.cfg.vocab_size]                              # drop the vocab padding rows
 

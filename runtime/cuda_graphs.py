@@ -138,9 +138,15 @@ class CapturedDecode:
         self.host[self.flip].fill(slots, positions, sampling)
         return self.host[self.flip].bytes
 
-    def replay(self, staged: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def replay(self, staged: torch.Tensor, n: int, graph: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the graph of the last stage() -> outputs of n rows. `staged`: its bytes (the graph
-        copies them in itself), or, without copy_in, a device buffer of them that is copied in here."""
+        copies them in itself), or, without copy_in, a device buffer of them that is copied in here.
+        graph: a tensor-parallel follower replays the graph the leader replays (it never stage()s): each
+        rank's two graphs hold their own captured NCCL collectives, which pair with the peer's capture of
+        the same graph (a follower that always replayed graph 0 while the leader alternated stalled on
+        2xH200 after the first decode)."""
+        if graph is not None:
+            self.flip = graph
         if not self.copy_in:
             self.dev.copy_(staged, non_blocking=True)
         self.copied_at = time.perf_counter()      # copy-in ends here (Engine's per-phase timings)

@@ -118,10 +118,11 @@ class GraphExecutor:
             from .tp import StepBroadcast
             n_state = len(m["state"])
             # what the followers need per call: an uncaptured graph's non-state inputs, or a captured
-            # bucket's staging bytes ("captured_b{B}")
+            # bucket's staging bytes and which of its two graphs the leader replays ("captured_b{B}_{k}")
             inputs = {n: [(DTYPES[i["dtype"]], i["shape"]) for i in g["inputs"][:-n_state]]
                       for n, g in m["graphs"].items()}
-            inputs.update({f"captured_b{B}": [(torch.uint8, list(c.dev.shape))] for B, c in ex.captured.items()})
+            inputs.update({f"captured_b{B}_{k}": [(torch.uint8, list(c.dev.shape))]
+                           for B, c in ex.captured.items() for k in range(len(c.graphs))})
             ex.rank, ex.link = rank, StepBroadcast(inputs, dev)
             check_parity = check_parity and rank == 0   # rank 0 checks while the others follow()
             ex.path += f"+tp{tp}"
@@ -155,8 +156,9 @@ class GraphExecutor:
     def follow(self) -> int:
         """Ranks > 0: replay the graphs rank 0 calls, with this rank's state, until it stops."""
         def run(name, inputs):
-            if name.startswith("captured_b"):
-                self.captured[int(name[len("captured_b"):])].replay(inputs[0], 0)
+            if name.startswith("captured_b"):             # captured_b{B}_{graph}: the leader's graph of bucket B
+                B, k = map(int, name[len("captured_b"):].split("_"))
+                self.captured[B].replay(inputs[0], 0, graph=k)
                 return
             self._run(name, inputs)
         return self.link.follow(run)
@@ -234,7 +236,7 @@ class GraphExecutor:
             cap = self.captured[B]
             staged = cap.stage(slots, positions, sampling)
             if self.link is not None:              # tensor parallel: the followers replay the same bytes
-                staged = self.link.lead(f"captured_b{B}", [staged])[0]
+                staged = self.link.lead(f"captured_b{B}_{cap.flip}", [staged])[0]
             out = cap.replay(staged, n)
             self.copied_at = cap.copied_at
             self.host_ids = cap.last_host_ids(n)   # the graph copies its ids here and records an event itself

@@ -147,15 +147,16 @@ class StepBroadcast:
     def __init__(self, inputs: dict[str, list[tuple[torch.dtype, list[int]]]], device: torch.device):
         """inputs: per graph name, the (dtype, shape) of each input it takes from the leader."""
         self.names = sorted(inputs)
-        # one persistent byte buffer [8-byte int64 header | inputs of the largest graph], every input
-        # 8-byte aligned; self.inputs[name] are typed views into it (all shapes are static)
-        layout, size = {}, 8
+        # one persistent byte buffer [int64 header, padded to 16 bytes | inputs of the largest graph], every
+        # input 16-byte aligned (AOTInductor compiles for 16-byte aligned inputs and copies any other one
+        # on every call); self.inputs[name] are typed views into it (all shapes are static)
+        layout, size = {}, 16
         for n in self.names:
-            off, views = 8, []
+            off, views = 16, []
             for dtype, shape in inputs[n]:
                 nbytes = torch.Size(shape).numel() * dtype.itemsize
                 views.append((off, nbytes, dtype, shape))
-                off += -(-nbytes // 8) * 8
+                off += -(-nbytes // 16) * 16
             layout[n], size = views, max(size, off)
         self.buf = torch.zeros(size, dtype=torch.uint8, device=device)
         native().pin(self.buf)                 # its broadcasts never drop the last C++ reference to it

@@ -58,7 +58,8 @@ def runs(dirs):
         "err_oov": ["generate", "tiny", "--eager", "--prompt-ids", f"1,{TINY_HF_CONFIG['vocab_size']}"],
         "err_llama": ["generate", dirs["llama"], "--eager", "--prompt-ids", "1,2"],
         "err_max_new": ["generate", "tiny", "--eager", "--prompt-ids", "1,2", "--max-new-tokens", 0],
-        "err_fp32_reduce_onnx": ["export", "tiny", "--out", dirs["root"] / "onnx", "--backend", "onnx", "--fp32-reduce"],
+        "err_fp32_reduce_onnx": ["export", "tiny", "--out", dirs["root"] / "onnx", "--backend", "onnx",
+                                 "--fp32-reduce"],
         "err_fp32_reduce_replay": ["generate", "tiny", "--prompt-ids", "1,2", "--fp32-reduce"],
     }
 
