@@ -141,10 +141,10 @@ class CapturedDecode:
     def replay(self, staged: torch.Tensor, n: int, graph: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the graph of the last stage() -> outputs of n rows. `staged`: its bytes (the graph
         copies them in itself), or, without copy_in, a device buffer of them that is copied in here.
-        graph: a tensor-parallel follower replays the graph the leader replays (it never stage()s): each
-        rank's two graphs hold their own captured NCCL collectives, which pair with the peer's capture of
-        the same graph (a follower that always replayed graph 0 while the leader alternated stalled on
-        2xH200 after the first decode)."""
+        graph: a tensor-parallel follower replays the graph the leader replays (it never stage()s), so
+        that each rank's captured NCCL collectives meet the peer's capture of the same graph. (Followers
+        used to replay graph 0 only while the leader alternated; TP-2 generate then stalled on 2xH200
+        after its first prefill. That this was the cause is not yet confirmed on the device.)"""
         if graph is not None:
             self.flip = graph
         if not self.copy_in:
