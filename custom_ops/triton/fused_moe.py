@@ -98,8 +98,8 @@ def _moe_down_kernel(x, idx, wts, down, sh_down, sh_gate_w, act, act_sh, y,
             dw = tl.load(down + e * s_d_e + rows[:, None] * s_d_h + offs_i[None, :] * s_d_i,
                          mask=mrow[:, None] & mi[None, :], other=0.0)
             acc += dw.to(tl.float32) * av[None, :]
-        routed += rnd(rnd(tl.sum(acc, axis=1), RT) * wt, RT)                 # (y * w) in x.dtype
-    routed = rnd(routed, RT)                                                 # .sum(1) in x.dtype
+        routed += rnd(rnd(tl.sum(acc, axis=1), RT) * wt, RT)                 # (y * w) in RT
+    routed = rnd(routed, RT)                                                 # .sum(1) in RT
 
     acc = tl.zeros([BH, BI], tl.float32)
     for i0 in range(0, Is, BI):

@@ -96,7 +96,7 @@ def _grouped_down_kernel(act, src, wts, blk_e, blk_row, blk_end, wd, out,
     rounded to out's dtype (x.dtype, or fp32 for fp32_out)."""
     b = tl.program_id(0)
     nb = tl.program_id(1)
-    DT: tl.constexpr = out.dtype.element_ty
+    DT: tl.constexpr = out.dtype.element_ty          # the rounding dtype: x.dtype, or fp32 (fp32_out)
     r0 = tl.load(blk_row + b)
     r1 = tl.load(blk_end + b)
     if r0 < r1:
