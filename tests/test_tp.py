@@ -15,6 +15,8 @@
   rank each (the multi-node form, on one host) it gives TP-1's ids; `torchrun -m onegraph bench` times it;
 - bf16 TP-2 and TP-1 artifacts exported with --fp32-reduce give the same ids for 64 tokens (up to a
   near-tie);
+- a follower replays, step after step, the one of a captured bucket's two CUDA graphs that the
+  leader replays (CPU stand-ins for the graphs; the real stage/replay/decode_step/follow);
 - a rank that exits or hangs mid-replay makes rank 0 fail with an error (at once, or after the
   collective timeout) instead of hanging.
 """
@@ -499,3 +501,54 @@ def test_tp_rank_fault_fails_not_hangs(tp2_artifact, fault, tmp_path):
         assert "Timed out" in got["error"] and timeout_s - 1 < got["seconds"] < timeout_s + 15, got
     else:                                         # the peer's connection closed: at once
         assert got["seconds"] < timeout_s, got
+
+
+def test_tp_follower_replays_the_leaders_captured_graph():
+    """Each captured decode bucket holds two CUDA graphs that the leader alternates (stage() flips);
+    every graph holds its own NCCL collectives, so a follower must replay the graph the leader
+    replays, step after step. The real CapturedDecode.stage/replay and GraphExecutor.decode_step/
+    follow run here over recording stand-ins for the two CUDA graphs (CPU), the broadcast replaced
+    by a queue. (Followers replayed graph 0 only; TP-2 generate stalled on 2xH200.)"""
+    from onegraph.runtime.cuda_graphs import CapturedDecode, Staging
+    from onegraph.runtime.executor import GraphExecutor, Sampling
+
+    B, sent = 2, []
+
+    class Graph:                                   # stands in for torch.cuda.CUDAGraph
+        def __init__(self, log, k):
+            self.log, self.k = log, k
+
+        def replay(self):
+            self.log.append(self.k)
+
+    class Link:                                    # stands in for StepBroadcast: leader -> queue -> follower
+        def lead(self, name, inputs):
+            sent.append((name, [t.clone() for t in inputs]))
+            return inputs
+
+        def follow(self, run):
+            for name, inputs in sent:
+                run(name, inputs)
+            return len(sent)
+
+    def rank(r):
+        meta = {f"decode_b{B}": {"kind": "decode", "bucket": B}, "prefill_t16": {"kind": "prefill", "bucket": 16}}
+        ex = GraphExecutor({}, meta, [], max_slots=2, max_seq_len=64, vocab_size=8, device=torch.device("cpu"))
+        cap, log = object.__new__(CapturedDecode), []
+        cap.B, cap.copy_in, cap.flip = B, False, 0
+        cap.host = [Staging(B, ex.scratch, pin=False) for _ in range(2)]
+        cap.dev = torch.zeros_like(cap.host[0].bytes)
+        cap.graphs = [Graph(log, k) for k in range(2)]
+        cap.outs = [(torch.zeros(B, dtype=torch.int64), torch.zeros(B, 8))] * 2
+        cap.host_ids, cap.events = [torch.zeros(B, dtype=torch.int64)] * 2, [None, None]
+        ex.captured, ex.rank, ex.link = {B: cap}, r, Link()
+        return ex, log
+
+    (leader, led), (follower, followed) = rank(0), rank(1)
+    for step in range(5):
+        n = 1 + step % 2
+        leader.decode_step([0, 1][:n], [10 + step, 3][:n], [Sampling()] * n)
+    assert follower.follow() == 5
+    assert led == [1, 0, 1, 0, 1]                  # the leader alternates its two graphs
+    assert followed == led                         # and the follower replays the same one each step
+    assert torch.equal(follower.captured[B].dev, leader.captured[B].host[led[-1]].bytes)   # with its bytes
