@@ -1,5 +1,6 @@
 """tools/plot.py reads both bench JSON shapes (`onegraph bench` "decode" rows, bench_big "batches" rows) and
-plots ms per token = ms per step / batch; bad usage exits 2 with a message."""
+plots ms per token = ms per step / batch; bad usage exits 2 with a message; bench_big's
+--identical-experts really makes the MoE output independent of which experts the router picks."""
 import subprocess
 import sys
 
@@ -32,3 +33,28 @@ def test_big_preset_user_errors(tmp_path):
     if not torch.cuda.is_available():
         r = subprocess.run(base + ["--out", str(tmp_path / "x.json")], capture_output=True, text=True)
         assert r.returncode == 2 and "needs a CUDA device" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_identical_experts_make_the_moe_blind_to_routing():
+    """bench_big --identical-experts rests on this: once every expert is expert 0, another router (here a
+    random one, which picks other experts) leaves the MoE output unchanged up to rounding, while with the
+    model's own distinct experts the same change moves it (fp32, tiny)."""
+    import torch
+
+    from onegraph.graphs.load import load_model
+    from onegraph.graphs.qwen3_5 import SparseMoe, ops
+    from onegraph.tools.bench_big import identical_experts_
+    _, model, _ = load_model("tiny", "float32")
+    moe = next(m for m in model.modules() if isinstance(m, SparseMoe))
+    x, other = torch.randn(8, moe.gate.weight.shape[1]), torch.randn_like(moe.gate.weight)
+    se = moe.shared_expert
+
+    def out(router):
+        return ops.fused_moe(x, router, moe.experts.gate_up_proj, moe.experts.down_proj, se.gate_proj.weight,
+                             se.up_proj.weight, se.down_proj.weight, moe.shared_expert_gate.weight, moe.top_k, False)
+
+    picks = lambda r: torch.softmax(x @ r.T, -1).topk(moe.top_k).indices.sort().values   # noqa: E731
+    assert not torch.equal(picks(moe.gate.weight), picks(other))          # the two routers differ
+    assert (out(moe.gate.weight) - out(other)).abs().max() > 1e-3
+    identical_experts_(model)
+    assert (out(moe.gate.weight) - out(other)).abs().max() < 1e-5

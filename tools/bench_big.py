@@ -94,25 +94,49 @@ def profile_regions(step, n: int):
     return regions, [{"kernel": k[:120], "us": round(v, 1)} for k, v in top]
 
 
-def step_parity(model, cap, state, last_tok, rows: list[int], pos, samp, dev) -> dict:
-    """One replayed step vs one eager step from the same state (random weights, greedy): ids equal and
-    the max fp32 logit difference (the artifact fixture's bf16 bound is 0.25)."""
+def step_parity(model, cap, state, last_tok, rows: list[int], pos, samp, dev, steps: int = 1) -> dict:
+    """`steps` replayed steps, each next to one eager step from the same state (random weights, greedy),
+    teacher-forced by the replay (its state and ids carry on): ids equal and the max fp32 logit
+    difference over all of them (the artifact fixture's bf16 bound is 0.25), and per step."""
     from onegraph.graphs.eager import router_margins
     from onegraph.runtime.executor import Sampling
-    saved, saved_tok = [s.clone() for s in state], last_tok.clone()
-    slots = torch.tensor(rows, device=dev)
-    tokens = last_tok.index_select(0, slots)
-    ids_r, logits_r = (t.clone() for t in cap.step(rows, pos, samp))
-    for s, v in zip(state, saved):
-        s.copy_(v)
-    last_tok.copy_(saved_tok)
-    with torch.no_grad(), router_margins(model) as margins:
-        ids_e, logits_e = model.decode(tokens, slots, torch.tensor(pos, device=dev),
-                                       *Sampling().tensors(len(rows), dev), *state)
-    for s, v in zip(state, saved):
-        s.copy_(v)
-    # the eager step's smallest router margin: read a differing id against it (runtime/fixture.py)
-    return dict(parity(ids_r, logits_r, ids_e, logits_e), min_router_margin=round(min(margins, default=float("inf")), 5))
+    slots, per_step = torch.tensor(rows, device=dev), []
+    for i in range(steps):
+        p = [x + i for x in pos]
+        saved, saved_tok = [s.clone() for s in state], last_tok.clone()
+        tokens = last_tok.index_select(0, slots)
+        ids_r, logits_r = (t.clone() for t in cap.step(rows, p, samp))
+        after, after_tok = [s.clone() for s in state], last_tok.clone()
+        for s, v in zip(state, saved):
+            s.copy_(v)
+        with torch.no_grad(), router_margins(model) as margins:
+            ids_e, logits_e = model.decode(tokens, slots, torch.tensor(p, device=dev),
+                                           *Sampling().tensors(len(rows), dev), *state)
+        for s, v in zip(state, after):               # the replay's state and ids carry on
+            s.copy_(v)
+        last_tok.copy_(after_tok)
+        # the eager step's smallest router margin: read a differing id against it (runtime/fixture.py)
+        per_step.append(dict(parity(ids_r, logits_r, ids_e, logits_e),
+                             rows_ids_differ=int((ids_r != ids_e).sum()),
+                             min_router_margin=round(min(margins, default=float("inf")), 5)))
+    worst = max(per_step, key=lambda r: r["max_logit_diff"])
+    return dict(worst, ids_equal=all(r["ids_equal"] for r in per_step), steps=steps,
+                rows_ids_differ=sum(r["rows_ids_differ"] for r in per_step),
+                min_router_margin=min(r["min_router_margin"] for r in per_step),
+                per_step=per_step if steps > 1 else None)
+
+
+@torch.no_grad()
+def identical_experts_(model) -> None:
+    """Every expert of each MoE layer := its expert 0. The MoE output is then expert0(x) times the sum of
+    the normalised top-k weights (1) whichever experts the router picks, so a bf16 rounding that flips
+    a near-tie in the router no longer moves the logits; what replay vs eager still differ by is the
+    rest of the model's rounding."""
+    from onegraph.graphs.qwen3_5 import SparseMoe
+    for m in model.modules():
+        if isinstance(m, SparseMoe):
+            m.experts.gate_up_proj[1:] = m.experts.gate_up_proj[:1]
+            m.experts.down_proj[1:] = m.experts.down_proj[:1]
 
 
 def parity(ids_r, logits_r, ids_e, logits_e) -> dict:
@@ -226,7 +250,7 @@ def bench_batch(model, weights, B: int, args, dev, bw: float) -> dict:
         return r
     r["load_and_capture_s"] = round(time.time() - t, 1)
     rows, pos, samp = list(range(B)), [args.position] * B, [Sampling()] * B
-    r["parity_vs_eager"] = step_parity(model, cap, state, last_tok, rows, pos, samp, dev)
+    r["parity_vs_eager"] = step_parity(model, cap, state, last_tok, rows, pos, samp, dev, args.parity_steps)
     replay_ms = timed(lambda: cap.step(rows, pos, samp), args.steps)
     if args.profile:
         if args.rank == 0:
@@ -287,6 +311,10 @@ def main(argv=None) -> int:
     ap.add_argument("--transformers", action="store_true",
                     help="then transformers eager on the same config and batches (its own random weights)")
     ap.add_argument("--fp32-reduce", action="store_true", help="the export option of that name (TP-invariant sums)")
+    ap.add_argument("--parity-steps", type=int, default=1, help="replayed steps compared with eager, each")
+    ap.add_argument("--identical-experts", action="store_true",
+                    help="copy expert 0 into every expert of each layer: a router flip then cannot change the "
+                         "output, which separates routing flips from every other numeric difference")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -302,10 +330,13 @@ def main(argv=None) -> int:
     res = {"command": ("torchrun --nproc-per-node {} -m ".format(tp) if tp > 1 else "python -m ")
            + "onegraph.tools.bench_big " + " ".join(sys.argv[1:] if argv is None else argv),
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tp": tp,
-           "position": args.position, "kernels": args.kernels, "fp32_reduce": args.fp32_reduce}
+           "position": args.position, "kernels": args.kernels, "fp32_reduce": args.fp32_reduce,
+           "identical_experts": args.identical_experts}
     t = time.time()
     cfg = ModelConfig.from_hf(QWEN35_35B_A3B_HF_CONFIG)
     model = random_model(cfg, torch.bfloat16, dev, fp32_reduce=args.fp32_reduce)   # every rank: the same weights
+    if args.identical_experts:
+        identical_experts_(model)
     if tp > 1:
         full, model = model, shard_model(model, args.rank, tp)
         del full
