@@ -122,6 +122,9 @@ def step_parity(model, cap, state, last_tok, rows: list[int], pos, samp, dev, st
     worst = max(per_step, key=lambda r: r["max_logit_diff"])
     return dict(worst, ids_equal=all(r["ids_equal"] for r in per_step), steps=steps,
                 rows_ids_differ=sum(r["rows_ids_differ"] for r in per_step),
+                differing_rows_max_top2_gap=max((r["differing_rows_max_top2_gap"] for r in per_step
+                                                 if r["differing_rows_max_top2_gap"] is not None), default=None),
+                min_top2_gap=min(r["min_top2_gap"] for r in per_step),
                 min_router_margin=min(r["min_router_margin"] for r in per_step),
                 per_step=per_step if steps > 1 else None)
 
@@ -141,12 +144,15 @@ def identical_experts_(model) -> None:
 
 def parity(ids_r, logits_r, ids_e, logits_e) -> dict:
     """Lowered vs eager outputs: ids equal, max logit difference, and the scale it should be read against
-    (logit std, smallest top-2 gap: a gap below the difference can flip a greedy id)."""
+    (logit std, smallest top-2 gap: a gap below the difference can flip a greedy id; and the widest eager
+    top-2 gap among the rows whose ids differ, null if none: the gap a flip crossed)."""
     top2 = logits_e.float().topk(2, dim=-1).values                           # [B, 2]
+    gap, differ = top2[:, 0] - top2[:, 1], (ids_r != ids_e).reshape(-1)
     return {"ids_equal": bool(torch.equal(ids_r, ids_e)),
             "max_logit_diff": round(float((logits_r.float() - logits_e.float()).abs().max()), 4),
             "logit_std": round(float(logits_e.float().std()), 3),
-            "min_top2_gap": round(float((top2[:, 0] - top2[:, 1]).min()), 4)}
+            "min_top2_gap": round(float(gap.min()), 4),
+            "differing_rows_max_top2_gap": round(float(gap[differ].max()), 4) if differ.any() else None}
 
 
 def log(*a):
