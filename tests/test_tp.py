@@ -25,12 +25,9 @@ import dataclasses
 import datetime
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -42,6 +39,7 @@ from onegraph.graphs.eager import SamplingParams, generate_eager
 from onegraph.graphs.load import load_model
 from onegraph.graphs.tiny import TINY_HF_CONFIG
 from onegraph.graphs.tp import check_divisible, local_dims, shard_state_dict, unshard
+from tp_helpers import first_diff, free_port, torchrun, tp_generate, tp_serve_completions
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 10, 5, 200, 17]
 STEPS = 32
@@ -115,12 +113,6 @@ def test_kv_heads_not_multiple():
         check_divisible(cfg, 4)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _join_gloo(rank, tp, port, timeout_s: float | None = None):
     import torch.distributed as dist
     torch.set_num_threads(1)
@@ -161,7 +153,7 @@ def test_tp_eager_matches_tp1(tiny, tp, tmp_path):
     cfg, model = tiny
     ref = generate_eager(model, PROMPT, STEPS, max_seq_len=64, prefill_chunk=7)
     out = tmp_path / "rank0.pt"
-    mp.spawn(_worker, args=(tp, _free_port(), str(out)), nprocs=tp, join=True)
+    mp.spawn(_worker, args=(tp, free_port(), str(out)), nprocs=tp, join=True)
     got = torch.load(out)
     ids, logits = got["ids"], got["logits"]
     first = next((i for i, (a, b) in enumerate(zip(ids, ref.token_ids)) if a != b), None)
@@ -215,7 +207,7 @@ def test_tp2_bf16_passes_tp1_fixture_through_router_near_ties(tmp_path):
     _, model, _ = load_model("tiny", "bfloat16")
     save_file(fixture(model, 64), str(tmp_path / "fixture.safetensors"))
     out = tmp_path / "report.pt"
-    mp.spawn(_fixture_worker, args=(2, _free_port(), str(tmp_path), str(out)), nprocs=2, join=True)
+    mp.spawn(_fixture_worker, args=(2, free_port(), str(tmp_path), str(out)), nprocs=2, join=True)
     got = torch.load(out)
     assert got["report"]["routing_flips"], got
     assert "parity fixture" in got["strict"], got
@@ -245,7 +237,7 @@ def test_tp2_bf16_fp32_reduce_gives_tp1_ids(tmp_path):
     written) and the ids agree for 235 of 256 steps, leaving TP-1 only at a near-tie (top two logits
     within two bf16 steps; when written, an exact tie at step 43)."""
     out = tmp_path / "rank0.pt"
-    mp.spawn(_bf16_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_bf16_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
     got = torch.load(out)
     agreed, step0_same = {}, {}
     for f in (False, True):
@@ -254,7 +246,7 @@ def test_tp2_bf16_fp32_reduce_gives_tp1_ids(tmp_path):
         for p, (ids, logits) in zip(INVARIANCE_PROMPTS, got[f]):
             ref = generate_eager(model, p, 64, max_seq_len=128)
             step0_same[f] += torch.equal(logits[0], ref.logits[0].float())
-            i = _first_diff(ids, ref.token_ids)
+            i = first_diff(ids, ref.token_ids)
             agreed[f] += len(ids) if i is None else i
             if f and i is not None:
                 top2 = ref.logits[i].float().topk(2).values
@@ -277,28 +269,14 @@ def tp2_artifact(tmp_path_factory):
     return out
 
 
-def _torchrun(*args, nproc: int = 2, module: str = "onegraph") -> list[str]:
-    """`torchrun --standalone --nproc-per-node N -m MODULE ARGS` (a free rendezvous port each time)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-            "-m", module, *map(str, args)]
-
-
-def _first_diff(a, b):
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-
-
 def _replay_matches_tp1(model, art, nproc: int, timeout: int, sampling=None):
     """`torchrun generate` of a TP-N artifact gives TP-1 eager's ids (greedy, or seeded `sampling`);
     rank 0's load-time fixture check vs TP-1 eager is within LOGIT_TOL."""
     ref = generate_eager(model, PROMPT, STEPS, sampling, max_seq_len=64).token_ids
     extra = [] if sampling is None else ["--temperature", sampling.temperature, "--top-k", sampling.top_k,
                                          "--top-p", sampling.top_p, "--seed", sampling.seed]
-    r = subprocess.run(_torchrun("generate", art, "--prompt-ids", ",".join(map(str, PROMPT)),
-                                 "--max-new-tokens", STEPS, "--ignore-eos", "--json", *extra, nproc=nproc),
-                       capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, r.stderr[-4000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
-    ids, i = got["token_ids"], _first_diff(got["token_ids"], ref)
+    got = tp_generate(art, PROMPT, STEPS, *extra, nproc=nproc, timeout=timeout)
+    ids, i = got["token_ids"], first_diff(got["token_ids"], ref)
     assert ids == ref, f"TP-{nproc} replay first differing token at step {i}: {ids[i]} vs TP-1 {ref[i]}"
     assert got["fixture"]["max_logit_diff"] <= LOGIT_TOL
 
@@ -314,7 +292,7 @@ def test_tp2_bench_under_torchrun(tp2_artifact, tmp_path):
     out = tmp_path / "bench.json"
     common = ["--preset", "tiny", "--batch-sizes", "1", "--steps", "5", "--max-seq-len", "64", "--prefill-chunk", "16",
               "--no-transformers", "--quiet"]
-    r = subprocess.run(_torchrun("bench", "--artifact", tp2_artifact, "--out", out, *common),
+    r = subprocess.run(torchrun("bench", "--artifact", tp2_artifact, "--out", out, *common),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     res = json.loads(out.read_text())
@@ -322,7 +300,7 @@ def test_tp2_bench_under_torchrun(tp2_artifact, tmp_path):
     row = res["decode"][0]
     assert row["batch"] == 1 and row["replay_ms_per_step"] > 0 and row["eager_ms_per_step"] > 0, row
     assert res["engine"]["host_us_per_step"] > 0 and res["prefill_ms"]["16"] > 0
-    r = subprocess.run(_torchrun("bench", *common), capture_output=True, text=True, timeout=120)
+    r = subprocess.run(torchrun("bench", *common), capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "under torchrun, bench replays an exported tensor-parallel artifact" in r.stderr
     assert "]: Traceback" not in r.stderr, r.stderr[-3000:]
 
@@ -340,13 +318,9 @@ def test_tp2_bf16_fp32_reduce_artifact_gives_tp1_artifact_ids(tmp_path):
     export("tiny", tmp_path / "tp2", ExportOptions(tp=2, **opts), progress=False)
     tp1 = GraphExecutor.from_artifact(tmp_path / "tp1", max_slots=1)            # fixture checked vs eager
     ref, logits = tp1.generate(PROMPT, 64)
-    r = subprocess.run(_torchrun("generate", tmp_path / "tp2", "--prompt-ids", ",".join(map(str, PROMPT)),
-                                 "--max-new-tokens", 64, "--ignore-eos", "--json"),
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-4000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = tp_generate(tmp_path / "tp2", PROMPT, 64)
     assert got["fixture"]["max_logit_diff"] <= 0.25, got["fixture"]
-    i = _first_diff(got["token_ids"], ref)
+    i = first_diff(got["token_ids"], ref)
     gap = None if i is None else float(logits[i].float().topk(2).values.diff().abs())
     assert i is None or gap <= 1 / 32, f"TP-2 left TP-1 at step {i} ({got['token_ids'][i]} vs {ref[i]}), top-2 gap {gap}"
 
@@ -366,7 +340,7 @@ def test_tp2_lockstep_every_rank_matches_its_eager_shard(tp2_artifact, tmp_path)
     teacher-forced, every state tensor compared per step (the rung that localised issue #8's 2xH200
     failure to TP-2 eager rounding rather than the graphs)."""
     out = tmp_path / "lockstep{rank}.json"
-    r = subprocess.run(_torchrun(tp2_artifact, "--steps", 6, "--out", out, module="onegraph.tools.lockstep"),
+    r = subprocess.run(torchrun(tp2_artifact, "--steps", 6, "--out", out, module="onegraph.tools.lockstep"),
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     ref = None
@@ -383,7 +357,7 @@ def test_tp2_two_nodes_one_rank_each(tiny, tp2_artifact):
     """The multi-node launch (`torchrun --nnodes 2 --node-rank R --master-addr ...`), as two nodes of one
     rank each on this host: rank 0 (node 0) prints TP-1's ids; node 1 follows and exits cleanly."""
     ref = generate_eager(tiny[1], PROMPT, 16, max_seq_len=64).token_ids
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
                                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
                                "-m", "onegraph", "generate", str(tp2_artifact), "--prompt-ids", ",".join(map(str, PROMPT)),
@@ -414,7 +388,7 @@ def test_tp2_fixture_failure_releases_followers(tp2_artifact, tmp_path):
     save_file(fx, str(art / "fixture.safetensors"))
     m = json.loads((art / "manifest.json").read_text())      # re-signed: the hashes are not what is tested
     write_manifest(art, {k: v for k, v in m.items() if k not in ("files", "manifest_sha256")})
-    r = subprocess.run(_torchrun("generate", art, "--prompt-ids", "1,2,3", "--max-new-tokens", 4, "--tp-timeout", 900),
+    r = subprocess.run(torchrun("generate", art, "--prompt-ids", "1,2,3", "--max-new-tokens", 4, "--tp-timeout", 900),
                        capture_output=True, text=True, timeout=200)
     assert r.returncode != 0 and "parity fixture: prompt 0 step 1" in r.stderr, r.stderr[-3000:]
     assert "]: Traceback" not in r.stderr, r.stderr[-3000:]
@@ -423,34 +397,8 @@ def test_tp2_fixture_failure_releases_followers(tp2_artifact, tmp_path):
 
 
 def test_tp2_serve_under_torchrun(tiny, tp2_artifact):
-    import httpx
-    _, model = tiny
-    ref = generate_eager(model, PROMPT, 16, max_seq_len=64).token_ids
-    port = _free_port()
-    proc = subprocess.Popen(_torchrun("serve", tp2_artifact, "--port", port, "--max-slots", 2,
-                                      "--served-model-name", "tiny", "--log-level", "warning"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        t0 = time.time()
-        while True:
-            assert proc.poll() is None and time.time() - t0 < 180, "the TP-2 server did not start"
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.5)
-        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
-                "return_token_ids": True}
-        with ThreadPoolExecutor(2) as pool:   # two slots in flight: slot ids reach rank 1 too
-            outs = list(pool.map(lambda _: httpx.post(f"{base}/v1/completions", json=body, timeout=120), range(2)))
-        for r in outs:
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["token_ids"] == ref
-    finally:
-        proc.send_signal(signal.SIGTERM)       # torchrun passes it to both ranks; rank 0 releases rank 1
-        out = proc.communicate(timeout=90)[0]
-    assert "]: Traceback" not in out, out[-4000:]     # torchrun prefixes a rank's traceback with [rankN]
+    ref = generate_eager(tiny[1], PROMPT, 16, max_seq_len=64).token_ids
+    assert tp_serve_completions(tp2_artifact, PROMPT, 16, 2) == [ref, ref]
 
 
 def _fault_worker(rank, port, art, fault, timeout_s, out_path):
@@ -485,7 +433,7 @@ def _fault_worker(rank, port, art, fault, timeout_s, out_path):
 def test_tp_rank_fault_fails_not_hangs(tp2_artifact, fault, tmp_path):
     timeout_s = 10
     out = tmp_path / "rank0.pt"
-    ctx = mp.spawn(_fault_worker, args=(_free_port(), str(tp2_artifact), fault, timeout_s, str(out)), nprocs=2,
+    ctx = mp.spawn(_fault_worker, args=(free_port(), str(tp2_artifact), fault, timeout_s, str(out)), nprocs=2,
                    join=False)
     rank0, rank1 = ctx.processes
     try:
