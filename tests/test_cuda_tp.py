@@ -101,5 +101,8 @@ def test_tp2_lockstep_each_rank_matches_its_shard(arts, name, tmp_path):
         assert rep["rank"] == rank and rep["path"].endswith("+cudagraphs+tp2"), rep["path"]
         first = rep["first_diff"]
         print(f"{name} rank {rank}: first step beyond {rep['tolerance']}: {first}"
-              + ("" if first is None else f" (router margin {rep['rows'][first]['router_margin']:.3g})"))
-        assert first is None or rep["rows"][first]["router_margin"] <= ROUTER_NEAR_TIE["bfloat16"], rep["rows"][first]
+              + ("" if first is None else f" (router margin {rep['rows'][first]['router_margin']:.3g}, "
+                                           f"prefill's {rep['rows'][0]['router_margin']:.3g})"))
+        # the fixture's rule: this step's router margin or the prefill's (rows[0]) within the near-tie
+        near = None if first is None else min(rep["rows"][0]["router_margin"], rep["rows"][first]["router_margin"])
+        assert first is None or near <= ROUTER_NEAR_TIE["bfloat16"], rep["rows"][first]
