@@ -144,6 +144,48 @@ def test_fused_moe(T, H, E, I, Is, top_k, hot, dtype, fp32_out):
     close(got, ref, 1e-4 if fp32_out and dtype == torch.bfloat16 else TOL[dtype], f"T={T}")
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,E,top_k", [(1, 16, 4), (8, 256, 8), (5, 40, 3)])
+def test_route_kernel_matches_route(T, E, top_k, dtype):
+    """fused_moe's router kernel: experts by logit descending, lowest id first among equal logits (an
+    independent sort of the logits), weights = their fp32 softmax renormalised; on rows without ties
+    in the top k + 1 that is exactly the reference `route`'s order (its weights within one rounding:
+    an exp and a sum in another order). bf16 logits of 256 experts tie often (the 8-row case does)."""
+    from onegraph.custom_ops.triton.fused_moe import route_triton
+    g = gen(E + T)
+    x, router = randn(T, 64, g=g).to(dtype), randn(E, 64, g=g).to(dtype)
+    (w, idx), (w_ref, idx_ref) = route_triton(x, router, top_k), route(x, router, top_k)
+    logits = torch.nn.functional.linear(x, router).float().cpu()                 # [T, E], as the kernel reads
+    want = [sorted(range(E), key=lambda e: (-float(row[e]), e))[:top_k] for row in logits]
+    assert idx.tolist() == want
+    p = torch.softmax(logits, -1).gather(1, torch.tensor(want))
+    rtol = 2 ** -7 if dtype != torch.float32 else 1e-6
+    assert w.dtype == dtype and torch.allclose(w.float().cpu(), p / p.sum(-1, keepdim=True), rtol=rtol)
+    untied = (logits.topk(top_k + 1).values.diff(dim=-1) != 0).all(-1)
+    assert untied.any()
+    assert torch.equal(idx[untied], idx_ref[untied])
+    assert torch.allclose(w[untied].float(), w_ref[untied].float(), rtol=rtol)
+
+
+@needs_triton
+def test_route_kernel_ties_keep_the_lowest_index():
+    """Equal router logits at the k-th place: the lowest expert ids win, as CUDA torch.topk's do (measured
+    on the H200); the 35B router ties there in 8 % of layer-tokens. Logits are router column 0 (x one-hot)."""
+    from onegraph.custom_ops.triton.fused_moe import route_triton
+    levels = torch.tensor([0.5, 0.25, 0.25, 1.0, 0.25, 0.0, 1.0, 0.25, 0.5, 0.25, -1.0, 0.25])   # E = 12
+    router = torch.zeros(12, 16)
+    router[:, 0] = levels
+    x = torch.zeros(2, 16)
+    x[:, 0] = 1.0
+    for top_k in (3, 4, 6, 8):
+        w, idx = route_triton(x.to(DEVICE, torch.bfloat16), router.to(DEVICE, torch.bfloat16), top_k)
+        want = sorted(range(12), key=lambda e: (-float(levels[e]), e))[:top_k]     # value desc, index asc
+        assert idx.tolist() == [want, want], (top_k, idx.tolist(), want)
+        p = torch.softmax(levels, 0)[want]
+        assert torch.allclose(w.float().cpu(), (p / p.sum()).expand(2, -1), rtol=2 ** -7)
+
+
 # ---------------------------------------------------------------- attention_decode
 
 def attn_args(B, H, KVH, D, S, Tmax, dtype, seed, slots, positions):

@@ -1,7 +1,15 @@
 """Triton lowering of fused_moe (contract: custom_ops/fused_moe.py), built for decode (T = 1..64).
 
-Router: aten inside the triton_op (`route` from the reference: logits in x.dtype, fp32 softmax,
-top-k, renormalise, cast) -> w [T, k], idx [T, k].
+Router: the logits by aten (F.linear in x.dtype: the reference's cuBLAS GEMM, so they are bit-equal),
+then `_route_kernel`, one program per token: fp32 softmax, top-k, renormalise, cast -> w [T, k] x.dtype,
+idx [T, k] int64. It replaces aten's softmax + topk (gatherTopK + bitonicSortKV) + sum + div + cast:
+the topk alone took 0.39 of the 35B bs1 step's 4.26 ms on the H200 (benchmarks/h200_35b_bs1.json).
+Ties matter: the 35B random router's 8th and 9th bf16 logits are equal in 8 % of layer-tokens (H200,
+8 bs8 eager steps). CUDA torch.topk keeps the lowest indices among values equal to the k-th (H200:
+2000 of 2000 tied rows), and so does this kernel (it takes the largest logit, lowest index first, k
+times); softmax is monotone, so selecting on logits is selecting on probabilities. Only the order of
+equal values within the k can differ from torch's (its bitonic sort is not stable); kernel 2 sums the
+k bf16 products in fp32, which is exact, and in any order, unless their exponents span over 16 bits.
 Kernel 1 (SwiGLU), grid (T*k + T, cdiv(max(I, Is), BI)): program p < T*k takes pair p = (t, j) and
 computes act[p, tile] = silu(x[t] . gate_up[idx, tile]) * (x[t] . gate_up[idx, I + tile]) reading
 only that expert's rows; programs p >= T*k do the shared expert of token p - T*k.
@@ -18,14 +26,53 @@ grouped GEMM (tensor cores) over the pairs sorted by expert, with that branch's 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch.library import triton_op
 
 from .. import _registry
-from ..fused_moe import _validate, route
+from ..fused_moe import _validate
 from . import fused_moe_prefill
 from ._common import launch, next_pow2, rnd, to_dt
+
+
+@triton.jit
+def _route_kernel(logits, w, idx, s_l_t, E: tl.constexpr, BE: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """Token t: logits [E] (x.dtype) -> w[t, :K] = top-K softmax probabilities / their sum (x.dtype),
+    idx[t, :K] = their experts, by logit descending, lowest index first among equal logits."""
+    t = tl.program_id(0)
+    DT: tl.constexpr = w.dtype.element_ty
+    offs = tl.arange(0, BE)
+    m = offs < E
+    lg = tl.load(logits + t * s_l_t + offs, mask=m, other=float("-inf")).to(tl.float32)
+    e = tl.where(m, tl.exp(lg - tl.max(lg, axis=0)), 0.0)
+    p = e / tl.sum(e, axis=0)                       # the reference's fp32 softmax
+    ks = tl.arange(0, BK)
+    top_p = tl.zeros([BK], tl.float32)
+    top_i = tl.zeros([BK], tl.int64)
+    cur = lg
+    for j in tl.static_range(K):
+        best = tl.max(cur, axis=0)
+        i = tl.min(tl.where(cur == best, offs, BE), axis=0)         # lowest index among the largest
+        top_p = tl.where(ks == j, tl.sum(tl.where(offs == i, p, 0.0), axis=0), top_p)
+        top_i = tl.where(ks == j, i.to(tl.int64), top_i)
+        cur = tl.where(offs == i, float("-inf"), cur)
+    mk = ks < K
+    tl.store(w + t * K + ks, to_dt(top_p / tl.sum(top_p, axis=0), DT), mask=mk)
+    tl.store(idx + t * K + ks, top_i, mask=mk)
+
+
+def route_triton(x: torch.Tensor, router_w: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's `route` -> (w [T, k] x.dtype, idx [T, k] int64), the logits by aten, the rest by
+    _route_kernel."""
+    logits = F.linear(x, router_w)                                          # [T, E] x.dtype
+    T, E = logits.shape
+    w = torch.empty((T, top_k), dtype=x.dtype, device=x.device)
+    idx = torch.empty((T, top_k), dtype=torch.int64, device=x.device)
+    launch(_route_kernel, (T,), logits, w, idx, logits.stride(0), E=E, BE=next_pow2(E), K=top_k,
+           BK=next_pow2(top_k), num_warps=2)
+    return w, idx
 
 
 @triton.jit
@@ -139,7 +186,7 @@ def fused_moe_triton(x: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Ten
     T, H = x.shape
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
     Is = shared_gate.shape[0]
-    w, idx = route(x, router_w, top_k)                                      # [T, k] x.dtype, int64
+    w, idx = route_triton(x, router_w, top_k)                               # [T, k] x.dtype, int64
     if T * top_k > E:     # static at trace time: the reference's prefill branch, as a grouped GEMM
         # this module's `launch` is passed on so that compile_check (which replaces it) records these too
         return fused_moe_prefill.fused_moe_prefill(x, w, idx, gate_up, down, shared_gate, shared_up,
