@@ -8,7 +8,7 @@ swaps them at export time and AOTInductor compiles the kernels into the artifact
 One file per op (kernel + launcher + triton_op), sharing `_common.py`:
   gdn_decode_step.py   one fused kernel: conv window + SiLU, gates, L2 norm, fp32 delta rule
   gdn_prefill.py       chunked delta rule: WY/UT transform, sequential state pass, output (3 kernels)
-  fused_moe.py         aten router, then SwiGLU(gate_up) and down + weighted combine + shared expert
+  fused_moe.py         router (aten GEMM, then softmax + top-k in one kernel), SwiGLU(gate_up) and down + combine
   fused_moe_prefill.py the T*k > E path of fused_moe: grouped GEMM over pairs sorted by expert
   attention_decode.py  GQA flash-decoding (split over the KV length) + combine
   attention_prefill.py causal GQA flash attention of a chunk over its slot's KV cache
