@@ -186,6 +186,16 @@ def test_route_kernel_ties_keep_the_lowest_index():
         assert torch.allclose(w.float().cpu(), (p / p.sum()).expand(2, -1), rtol=2 ** -7)
 
 
+@needs_triton
+def test_route_kernel_nan_stays_in_bounds():
+    """A NaN hidden state (an overflowed recurrence, say) must come out as NaN weights, not as an expert
+    id past the end (the expert kernels would read outside the weights)."""
+    from onegraph.custom_ops.triton.fused_moe import route_triton
+    x = torch.full((2, 16), float("nan"), device=DEVICE)
+    w, idx = route_triton(x, torch.ones(12, 16, device=DEVICE), 4)
+    assert ((idx >= 0) & (idx < 12)).all() and w.isnan().all(), (idx, w)
+
+
 # ---------------------------------------------------------------- attention_decode
 
 def attn_args(B, H, KVH, D, S, Tmax, dtype, seed, slots, positions):

@@ -55,6 +55,7 @@ def _route_kernel(logits, w, idx, s_l_t, E: tl.constexpr, BE: tl.constexpr, K: t
     for j in tl.static_range(K):
         best = tl.max(cur, axis=0)
         i = tl.min(tl.where(cur == best, offs, BE), axis=0)         # lowest index among the largest
+        i = tl.minimum(i, E - 1)           # NaN logits match nothing: stay in bounds, the weights carry the NaN
         top_p = tl.where(ks == j, tl.sum(tl.where(offs == i, p, 0.0), axis=0), top_p)
         top_i = tl.where(ks == j, i.to(tl.int64), top_i)
         cur = tl.where(offs == i, float("-inf"), cur)
