@@ -1,6 +1,6 @@
 """Tensor parallel on two GPUs: NCCL collectives inside the lowered graphs and inside each decode bucket's
 two captured CUDA graphs. Run on nvidia-h200-x2 through the device tool (`python -m pytest -q -s
-tests/test_cuda_tp.py`, about 6 minutes); skipped with fewer than two CUDA devices.
+tests/test_cuda_tp.py`, an estimated 6-8 minutes; not yet run on GPUs); skipped with fewer than two CUDA devices.
 
 - TP-2 fp32 `tiny` under `torchrun generate`, captured and not: TP-1 eager's greedy ids for 64 tokens
   (up to a near-tie, the fixture's rule), and its load-time fixture within the fp32 bound;
