@@ -106,18 +106,13 @@ def step_parity(model, cap, state, last_tok, rows: list[int], pos, samp, dev, st
     slots, per_step = torch.tensor(rows, device=dev), []
     for i in range(steps):
         p = [x + i for x in pos]
-        saved, saved_tok = [s.clone() for s in state], last_tok.clone()
-        tokens = last_tok.index_select(0, slots)
-        ids_r, logits_r = (t.clone() for t in cap.step(rows, p, samp))
-        after, after_tok = [s.clone() for s in state], last_tok.clone()
+        saved = [s.clone() for s in state]
+        with torch.no_grad(), router_margins(model) as margins:   # eager first (it leaves last_tok alone),
+            ids_e, logits_e = model.decode(last_tok.index_select(0, slots), slots, torch.tensor(p, device=dev),
+                                           *Sampling().tensors(len(rows), dev), *state)
         for s, v in zip(state, saved):
             s.copy_(v)
-        with torch.no_grad(), router_margins(model) as margins:
-            ids_e, logits_e = model.decode(tokens, slots, torch.tensor(p, device=dev),
-                                           *Sampling().tensors(len(rows), dev), *state)
-        for s, v in zip(state, after):               # the replay's state and ids carry on
-            s.copy_(v)
-        last_tok.copy_(after_tok)
+        ids_r, logits_r = (t.clone() for t in cap.step(rows, p, samp))   # then the replay, whose state carries on
         # the eager step's smallest router margin: read a differing id against it (runtime/fixture.py)
         per_step.append(dict(parity(ids_r, logits_r, ids_e, logits_e),
                              rows_ids_differ=int((ids_r != ids_e).sum()),
