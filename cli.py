@@ -55,6 +55,12 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
                         "before it fails")
 
 
+def add_allow_unused_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-unused-weights", action="store_true",
+                   help="load a checkpoint that holds tensors the model does not consume (logged) instead of "
+                        "refusing it; quantized or non-float weights are refused regardless")
+
+
 def check_sampling(args) -> None:
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -88,16 +94,25 @@ def cmd_export(args) -> int:
                          batch_sizes=parse_buckets(args.batch_sizes, "--batch-sizes"),
                          prefill_chunks=parse_buckets(args.prefill_chunks, "--prefill-chunks"),
                          max_seq_len=args.max_seq_len, tp=args.tp, kernels=args.kernels,
-                         eager_rounding=not args.fused_rounding, fp32_reduce=args.fp32_reduce)
+                         eager_rounding=not args.fused_rounding, fp32_reduce=args.fp32_reduce,
+                         allow_unused_weights=args.allow_unused_weights)
     print(summary_text(export(args.model, args.out, opts, progress=not args.quiet)))
     return 0
 
 
 def cmd_inspect(args) -> int:
     from onegraph.export.pipeline import inspect
-    if not is_artifact(args.artifact):
-        raise UserError(f"{args.artifact} is not an onegraph artifact (no manifest.json)")
-    print(inspect(args.artifact))
+    if is_artifact(args.artifact):
+        print(inspect(args.artifact))
+        return 0
+    if args.artifact != "tiny" and not (Path(args.artifact) / "config.json").is_file():
+        raise UserError(f"{args.artifact} is neither an onegraph artifact (no manifest.json) nor a checkpoint "
+                        f"directory (no config.json)")
+    from onegraph.graphs.load import describe_checkpoint
+    text, refusal = describe_checkpoint(args.artifact)
+    print(text, flush=True)
+    if refusal is not None:
+        raise refusal              # one line on stderr, exit 2: what load_model / export would say
     return 0
 
 
@@ -129,13 +144,17 @@ def cmd_generate(args) -> int:
     if not args.eager:
         if args.fp32_reduce:
             raise UserError("--fp32-reduce applies to --eager; an artifact runs with the option it was exported with")
+        if args.allow_unused_weights:
+            raise UserError("--allow-unused-weights applies to --eager (and export); an artifact holds only the "
+                            "weights it uses")
         return generate_artifact(args)
     import torch
     from onegraph.graphs.eager import SamplingParams, generate_eager
     from onegraph.graphs.load import load_model
     if is_artifact(args.model):
         raise UserError(f"{args.model} is an exported artifact: drop --eager to run its graphs")
-    cfg, model, model_dir = load_model(args.model, args.dtype, fp32_reduce=args.fp32_reduce)
+    cfg, model, model_dir = load_model(args.model, args.dtype, fp32_reduce=args.fp32_reduce,
+                                       allow_unused=args.allow_unused_weights)
     ids, tok = prompt_ids(args, model_dir, cfg.vocab_size)
     with torch.no_grad():
         res = generate_eager(model, ids, args.max_new_tokens,
@@ -271,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--fp32-reduce", action="store_true", help="(--eager) the model option export records "
                    "with the same name: fp32 row-parallel sums, rounded once")
+    add_allow_unused_arg(p)
     p.add_argument("--device", default=None, help="artifact device (default: the one it was exported for)")
     add_runtime_args(p)
     add_sampling_args(p)
@@ -294,6 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="row-parallel projections (o_proj, out_proj, MoE/MLP down) keep their fp32 sums through the "
                         "TP all-reduce and round once: bf16 ids then do not depend on --tp (export every TP degree "
                         "you compare with it, TP-1 included)")
+    add_allow_unused_arg(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(fn=cmd_export)
 
@@ -302,8 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_args(p)
     p.set_defaults(fn=lambda a: __import__("onegraph.tools.bench", fromlist=["main"]).main(a))
 
-    p = sub.add_parser("inspect", help="print an artifact's manifest summary and per-graph op counts")
-    p.add_argument("artifact")
+    p = sub.add_parser("inspect", help="print an artifact's manifest summary and per-graph op counts, or a "
+                       "checkpoint directory's config, tensor census and whether it loads")
+    p.add_argument("artifact", help="an exported artifact, a HF-format checkpoint directory, or `tiny`")
     p.set_defaults(fn=cmd_inspect)
 
     p = sub.add_parser("serve", help="serve an artifact over an OpenAI-compatible HTTP API")

@@ -26,9 +26,8 @@ import torch
 from tqdm import tqdm
 
 from onegraph.custom_ops import schema_versions
-from onegraph.graphs.config import ModelConfig
 from onegraph.graphs.eager import SamplingParams, generate_eager, router_margins
-from onegraph.graphs.load import load_model, model_dir, resolve_dtype
+from onegraph.graphs.load import check_checkpoint, load_model, resolve_dtype
 from onegraph.graphs.tp import check_divisible
 from onegraph.runtime.artifact import device_descriptor, tool_versions, write_manifest
 
@@ -52,6 +51,7 @@ class ExportOptions:
     kernels: str = "auto"                      # auto: hand-written kernels where registered | reference
     eager_rounding: bool = True                # round intermediates where eager does (bf16/fp16 parity)
     fp32_reduce: bool = False                  # row-parallel outputs in fp32, all-reduced, rounded once (TP-invariant)
+    allow_unused_weights: bool = False         # load even if the checkpoint holds tensors the model does not consume
 
     def validate(self, max_positions: int) -> None:
         if self.backend not in ("aoti", "onnx"):
@@ -127,8 +127,9 @@ def export(model_spec: str, out_dir: str | Path, opts: ExportOptions, progress: 
     """Run every stage; returns a summary. The output directory is replaced."""
     from safetensors.torch import save_file
     t0 = time.time()
-    cfg = ModelConfig.from_file(model_dir(model_spec))
-    opts.validate(cfg.max_position_embeddings)          # before anything is written or removed
+    cfg, tensors = check_checkpoint(model_spec)         # quantized / unexpected / non-float tensors: refused
+    tensors.check(opts.allow_unused_weights)            # here, before anything is written or removed
+    opts.validate(cfg.max_position_embeddings)
     check_divisible(cfg, opts.tp)
     out = Path(out_dir)
     if out.exists():
@@ -143,7 +144,8 @@ def export(model_spec: str, out_dir: str | Path, opts: ExportOptions, progress: 
     bar = tqdm(total=3 + 2 * len(specs_wanted) * opts.tp, desc="export", disable=not progress, unit="stage")
 
     bar.set_postfix_str("load")
-    cfg, model, src = load_model(model_spec, dtype, dev, fp32_reduce=opts.fp32_reduce)
+    cfg, model, src = load_model(model_spec, dtype, dev, fp32_reduce=opts.fp32_reduce,
+                                  allow_unused=opts.allow_unused_weights)
     ranks = shard(model, opts)
     bar.update()
 

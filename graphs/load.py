@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import tempfile
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import torch
 from .config import ModelConfig
 from .qwen3_5 import Qwen35Model
 from .tp import check_divisible, shard_state_dict
-from .weights import load_into
+from .weights import Census, LoadError, census, check_quantization, load_into
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,19 +41,72 @@ def model_dir(spec: str | Path) -> Path:
     return path
 
 
-def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
-               tp: int = 1, rank: int = 0, group=None, fp32_reduce: bool = False):
-    """-> (cfg, model, checkpoint dir). tp > 1: rank `rank`'s shard (graphs/tp.py), whose collectives
-    run over `group` (None: the default process group). fp32_reduce: Qwen35Model's option."""
+def read_config(path: Path) -> ModelConfig:
+    """config.json -> ModelConfig, after refusing a quantization the loader cannot dequantize."""
+    file = path / "config.json"
+    if file.is_file():
+        check_quantization(json.loads(file.read_text()))
+    return ModelConfig.from_file(path)
+
+
+def meta_model(cfg: ModelConfig, fp32_reduce: bool = False) -> Qwen35Model:
+    """The TP-1 model on the meta device: its parameter names and shapes, no memory."""
+    with torch.device("meta"):
+        return Qwen35Model(cfg, fp32_reduce=fp32_reduce)
+
+
+def check_checkpoint(spec: str | Path) -> tuple[ModelConfig, Census]:
+    """What load_model would read, from config.json and the safetensors headers only (no weight is read):
+    -> (cfg, census); a quantization_config it cannot dequantize raises LoadError here. The caller runs
+    census.check(allow_unused) for the tensor-level refusals."""
     path = model_dir(spec)
+    cfg = read_config(path)
+    params = dict(meta_model(cfg).named_parameters())
+    return cfg, census(path, params, tied_lm_head="lm_head.weight" not in params)
+
+
+def describe_checkpoint(spec: str | Path) -> tuple[str, LoadError | None]:
+    """`onegraph inspect CHECKPOINT_DIR`: config summary + tensor census (headers only), and the error
+    load_model would refuse it with (None: it loads)."""
+    path = model_dir(spec)
+    hf = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
+    quant = hf.get("quantization_config") or text.get("quantization_config")
+    try:
+        check_quantization(hf)
+        refusal = None
+    except LoadError as e:
+        refusal = e
     cfg = ModelConfig.from_file(path)
+    params = dict(meta_model(cfg).named_parameters())
+    c = census(path, params, tied_lm_head="lm_head.weight" not in params)
+    lines = [f"checkpoint {path}",
+             f"model: {cfg.model_type} layers={cfg.num_layers} hidden={cfg.hidden_size} vocab={cfg.vocab_size} "
+             f"experts={cfg.num_experts} tied={cfg.tie_word_embeddings}",
+             f"quantization_config: {quant}", c.summary()]
+    if refusal is None:
+        try:
+            c.check()
+        except LoadError as e:
+            refusal = e
+    lines.append(f"loads: {'refused' if refusal else 'yes'}")
+    return "\n".join(lines), refusal
+
+
+def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
+               tp: int = 1, rank: int = 0, group=None, fp32_reduce: bool = False, allow_unused: bool = False):
+    """-> (cfg, model, checkpoint dir). tp > 1: rank `rank`'s shard (graphs/tp.py), whose collectives
+    run over `group` (None: the default process group). fp32_reduce: Qwen35Model's option.
+    allow_unused: load even if the checkpoint holds tensors the model does not consume (logged);
+    without it they are refused (graphs/weights.py), as is any quantization_config."""
+    path = model_dir(spec)
+    cfg = read_config(path)
     if tp != 1:
         check_divisible(cfg, tp)                     # fail before reading any weights
-    with torch.device("meta"):
-        model = Qwen35Model(cfg, fp32_reduce=fp32_reduce)
+    model = meta_model(cfg, fp32_reduce)
     model.to_empty(device="cpu")
     model.inv_freq.copy_(Qwen35Model.rope_inv_freq(cfg))
-    load_into(model, path, resolve_dtype(dtype))
+    load_into(model, path, resolve_dtype(dtype), allow_unused)
     if tp != 1:
         model = shard_model(model, rank, tp, group)
     return cfg, model.to(device).eval(), path

@@ -1,28 +1,68 @@
-"""HF safetensors -> Qwen35Model state dict.
+"""HF safetensors -> Qwen35Model state dict, refusing any checkpoint it does not understand.
 
 Handles: single file or sharded (`model.safetensors.index.json`); key prefixes
 `model.language_model.` (hub ConditionalGeneration) and `model.`; experts as per-expert keys
 (`mlp.experts.E.{gate,up,down}_proj.weight`, fused here) or already fused (`gate_up_proj`,
-`down_proj`); vision (`model.visual.*`) and MTP (`mtp.*`) keys skipped with a logged count.
-A missing tensor or a shape mismatch raises LoadError naming the key and both shapes.
+`down_proj`). A missing tensor or a shape mismatch raises LoadError naming the key and both shapes.
+
+Refused before any weight is read (from config.json and the safetensors headers only), because each
+would otherwise run and answer wrongly:
+- a `quantization_config` whose `quant_method` is not in SUPPORTED_QUANT_METHODS;
+- a tensor that reaches a float parameter with a dtype outside FLOAT_DTYPES (float8, int8, packed
+  int32, ...): a plain cast would drop its scales;
+- a tensor no parameter consumes (`*.weight_scale_inv`, `qzeros`, a stray key), unless it belongs to
+  a SKIP_FAMILIES family the model has no parameters for (vision tower, MTP head: skipped with a
+  logged count), or `allow_unused` is set (ignored with a logged count and examples).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
+from collections import Counter
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 log = logging.getLogger("onegraph.weights")
-SKIP = (re.compile(r"^model\.visual\."), re.compile(r"^mtp\."), re.compile(r"^visual\."))
-EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+# quant_method values (config.json `quantization_config`) this loader has a dequantization rule for
+SUPPORTED_QUANT_METHODS: tuple[str, ...] = ()
+# safetensors header dtypes a float parameter takes by a plain cast
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
+# torch names of safetensors dtypes, for messages
+DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+               "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I8": "int8", "U8": "uint8", "I16": "int16",
+               "U16": "uint16", "I32": "int32", "U32": "uint32", "I64": "int64", "U64": "uint64", "BOOL": "bool"}
+# families a text model without the matching parameters skips (checked against its parameter names, so a
+# model that has e.g. `mtp.*` parameters loads those keys like any other)
+SKIP_FAMILIES = {"vision": re.compile(r"^(model\.)?visual\."), "MTP": re.compile(r"^mtp\.")}
+EXPERT = re.compile(r"^(.*layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+ALLOW_FLAG = "--allow-unused-weights"
 
 
 class LoadError(ValueError):
     pass
+
+
+def dtype_name(st_dtype: str) -> str:
+    return DTYPE_NAMES.get(st_dtype, st_dtype)
+
+
+def check_quantization(hf: dict) -> None:
+    """A `quantization_config` (top level or in `text_config`) with an unsupported quant_method -> LoadError."""
+    text = hf.get("text_config")
+    for where, c in (("config.json", hf), ("config.json text_config", text if isinstance(text, dict) else {})):
+        q = c.get("quantization_config")
+        if q is None:
+            continue
+        method = q.get("quant_method") if isinstance(q, dict) else None
+        if method not in SUPPORTED_QUANT_METHODS:
+            supported = (f"quant_method one of {list(SUPPORTED_QUANT_METHODS)}" if SUPPORTED_QUANT_METHODS
+                         else "unquantized float checkpoints only (F32/F16/BF16)")
+            raise LoadError(f"{where} has a quantization_config with quant_method={method!r}, which the loader "
+                            f"cannot dequantize; supported: {supported}")
 
 
 def _files(path: Path) -> list[Path]:
@@ -39,30 +79,101 @@ def _files(path: Path) -> list[Path]:
     return found
 
 
-def _strip(key: str) -> str | None:
-    for rx in SKIP:
-        if rx.match(key):
-            return None
+def _strip(key: str) -> str:
+    """Checkpoint key -> model-side name (prefix removed)."""
     for prefix in ("model.language_model.", "model."):
         if key.startswith(prefix):
             return key[len(prefix):]
-    return key  # lm_head.weight and the like
+    return key  # lm_head.weight, mtp.* and the like
 
 
-def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
-    """All text-model tensors under their model-side names (experts still per-expert)."""
+def _target(name: str) -> str:
+    """Model-side name -> the parameter it fills (a per-expert key fills its fused tensor)."""
+    m = EXPERT.match(name)
+    if m is None:
+        return name
+    return f"{m.group(1)}.{'down' if m.group(3) == 'down' else 'gate_up'}_proj"
+
+
+@dataclasses.dataclass
+class Census:
+    """Every checkpoint tensor, from the safetensors headers (no weight read), sorted by what it is for."""
+    path: Path
+    files: dict[str, Path]                       # checkpoint key -> file
+    dtypes: dict[str, str]                       # checkpoint key -> safetensors dtype ("BF16", "F8_E4M3", ...)
+    consumed: dict[str, str]                     # checkpoint key -> model-side name it loads into
+    skipped: dict[str, list[str]]                # family -> checkpoint keys
+    unused: list[str]                            # checkpoint keys nothing consumes
+    bad_dtype: list[tuple[str, str, str]]        # (checkpoint key, dtype, parameter) a plain cast would get wrong
+
+    def check(self, allow_unused: bool = False) -> None:
+        """Raise LoadError for what cannot load."""
+        if self.bad_dtype:
+            key, dt, param = self.bad_dtype[0]
+            raise LoadError(f"tensor {key!r} has dtype {dtype_name(dt)} but parameter {param!r} is float and the "
+                            f"loader has no dequantization rule for it ({len(self.bad_dtype)} such tensors in "
+                            f"{self.path}): a quantized checkpoint is not supported")
+        if self.unused and not allow_unused:
+            raise LoadError(f"{len(self.unused)} checkpoint tensors the model does not consume, e.g. "
+                            f"{self.unused[:3]}, in {self.path}; refusing to load ({ALLOW_FLAG} ignores them)")
+
+    def log(self) -> None:
+        """The skipped families' counts (info) and, when allowed through, the unused tensors (warning)."""
+        if self.skipped:
+            n = sum(map(len, self.skipped.values()))
+            log.info("skipped %d %s tensors", n, "/".join(self.skipped))
+        if self.unused:
+            log.warning("ignored %d unexpected tensors (%s), e.g. %s", len(self.unused), ALLOW_FLAG, self.unused[:3])
+
+    def summary(self) -> str:
+        by_dtype = Counter(map(dtype_name, self.dtypes.values()))
+        lines = [f"tensors: {len(self.dtypes)} in {len(set(self.files.values()))} file(s); dtypes: "
+                 + ", ".join(f"{d}×{n}" for d, n in by_dtype.most_common()),
+                 f"  consumed: {len(self.consumed)}"]
+        lines += [f"  skipped ({fam}): {len(keys)}" for fam, keys in self.skipped.items()]
+        lines.append(f"  unused: {len(self.unused)}" + (f", e.g. {self.unused[:3]}" if self.unused else ""))
+        if self.bad_dtype:
+            lines.append(f"  non-float into float parameters: {len(self.bad_dtype)}, e.g. "
+                         + ", ".join(f"{k} ({dtype_name(d)})" for k, d, _ in self.bad_dtype[:3]))
+        return "\n".join(lines)
+
+
+def census(path: str | Path, params: dict[str, torch.nn.Parameter], tied_lm_head: bool) -> Census:
+    """Sort every checkpoint tensor against `params` (the model's named_parameters) from the headers only.
+    tied_lm_head: the model reads embed_tokens as lm_head, so a checkpoint's lm_head.weight is not needed."""
     path = Path(path)
-    out, skipped = {}, 0
+    c = Census(path, {}, {}, {}, {}, [], [])
     for f in _files(path):
         with safe_open(str(f), framework="pt") as sf:
             for key in sf.keys():
+                c.files[key] = f
+                c.dtypes[key] = dt = sf.get_slice(key).get_dtype()
                 name = _strip(key)
-                if name is None:
-                    skipped += 1
+                target = _target(name)
+                if target in params:
+                    c.consumed[key] = name
+                    if dt not in FLOAT_DTYPES and params[target].is_floating_point():
+                        c.bad_dtype.append((key, dt, target))
                     continue
-                out[name] = sf.get_tensor(key)
-    if skipped:
-        log.info("skipped %d vision/MTP tensors", skipped)
+                if name == "lm_head.weight" and tied_lm_head:
+                    continue            # tied: embed_tokens is the head (as transformers loads it)
+                fam = next((fam for fam, rx in SKIP_FAMILIES.items() if rx.match(key)), None)
+                if fam is not None:
+                    c.skipped.setdefault(fam, []).append(key)
+                else:
+                    c.unused.append(key)
+    c.unused.sort()
+    return c
+
+
+def read_checkpoint(c: Census) -> dict[str, torch.Tensor]:
+    """The consumed tensors under their model-side names (experts still per-expert)."""
+    out = {}
+    for f in sorted(set(c.files[k] for k in c.consumed)):
+        with safe_open(str(f), framework="pt") as sf:
+            for key in sf.keys():
+                if key in c.consumed:
+                    out[c.consumed[key]] = sf.get_tensor(key)
     return out
 
 
@@ -91,10 +202,14 @@ def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_into(model: torch.nn.Module, path: str | Path, dtype: torch.dtype) -> None:
-    """Fill every parameter of `model` from the checkpoint at `path`, cast to dtype; strict."""
-    tensors = fuse_experts(read_checkpoint(path))
+def load_into(model: torch.nn.Module, path: str | Path, dtype: torch.dtype, allow_unused: bool = False) -> None:
+    """Fill every parameter of `model` from the checkpoint at `path`, cast to dtype; strict (see the module
+    docstring: allow_unused only lets tensors that nothing consumes through, logged)."""
     expected = dict(model.named_parameters())
+    c = census(path, expected, tied_lm_head="lm_head.weight" not in expected)
+    c.check(allow_unused)
+    c.log()
+    tensors = fuse_experts(read_checkpoint(c))
     for name, p in expected.items():
         if name not in tensors:
             raise LoadError(f"missing tensor {name!r} (expected shape {list(p.shape)}) in {path}")
@@ -103,6 +218,3 @@ def load_into(model: torch.nn.Module, path: str | Path, dtype: torch.dtype) -> N
             raise LoadError(f"shape mismatch for {name!r}: checkpoint {list(t.shape)}, model expects {list(p.shape)}")
         with torch.no_grad():
             p.data = t.to(dtype).contiguous()
-    unused = sorted(set(tensors) - set(expected) - {"lm_head.weight"})
-    if unused:
-        log.warning("ignored %d unexpected tensors, e.g. %s", len(unused), unused[:3])
