@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from onegraph.server.parsers import (ReasoningParser, ToolCallParser, convert_value, parse_tool_calls,
+from onegraph.server.parsers import (ChatOutputParser, ReasoningParser, ToolCallParser, convert_value,
+                                     merge_tool_delta, parse_chat_output, parse_tool_calls, schema_types,
                                      split_reasoning, tool_schemas)
 from onegraph.server.stops import StopMatcher
 
@@ -24,13 +25,19 @@ def pieces(text, size):
 
 
 def stream_tools(text, size, tools=WEATHER_TOOLS):
+    """Streamed in pieces -> (content or None, whole calls with their index). Checks the delta
+    protocol: a call's first delta carries id, type and name; later ones only argument pieces."""
     p = ToolCallParser(tools)
     parts = []
     for d in pieces(text, size):
         parts += p.feed(d)
     parts += p.finish()
     content = "".join(x for k, x in parts if k == "content")
-    calls = [x for k, x in parts if k == "tool_call"]
+    calls = []
+    for k, x in parts:
+        if k == "tool_call":
+            assert set(x) == ({"index", "id", "type", "function"} if x["index"] == len(calls) else {"index", "function"})
+            merge_tool_delta(calls, x)
     return content or None, calls
 
 
@@ -55,6 +62,7 @@ def test_tool_calls_streamed_in_pieces_match_complete(size):
     content, calls = stream_tools(TWO_CALLS, size)
     assert content == want_content
     assert [(c["index"], c["function"]) for c in calls] == [(i, c["function"]) for i, c in enumerate(want)]
+    assert want[0]["function"]["arguments"] == json.dumps({"city": "Paris", "days": 3})   # json.dumps spacing
 
 
 def test_no_tool_call_passes_text_through_exactly():
@@ -64,17 +72,34 @@ def test_no_tool_call_passes_text_through_exactly():
 
 
 @pytest.mark.parametrize("text", [
-    "before <tool_call>\n<function=get_weather>\n<parameter=city>\nPa",                 # unclosed (length cut)
     "x <tool_call>no function here</tool_call> y",                                       # no <function=>
-    "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>junk\n</function>\n</tool_call>",  # junk
     "<tool_call><function=>\n</function></tool_call>",                                   # empty name
-    "<tool_call>\n<function=f>\n<parameter=a>1</function>\n</tool_call>",                # unclosed parameter
+    "<tool_call>\n<function={{ name }}>\n</function>\n</tool_call>",                      # not a name
+    "a <tool_call>\n<function=f>\nhello <parameter=x>1</parameter></function></tool_call>",  # text before params
+    "cut <tool_call>\n<function=get_weather>\n",                                         # cut before a parameter
 ])
-def test_malformed_tool_call_degrades_to_content(text):
+def test_block_that_is_not_a_call_stays_content(text):
+    for size in (1, 3, 1000):
+        assert stream_tools(text, size) == (text, [])
+
+
+@pytest.mark.parametrize("text, args", [
+    # cut by max_tokens inside a value: the name and arguments were already streamed, so the call
+    # stands with what it has, closed as valid JSON (the server reports finish_reason "length")
+    ("before <tool_call>\n<function=get_weather>\n<parameter=city>\nPa", {"city": "Pa"}),
+    ("before <tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n",
+     {"city": "Paris", "days": ""}),
+    # no </parameter> before </function>: </function></tool_call> closes the value
+    ("before <tool_call>\n<function=get_weather>\n<parameter=days>2</function>\n</tool_call>", {"days": 2}),
+    # a </parameter> that no structure follows is text of the value
+    ("before <tool_call>\n<function=get_weather>\n<parameter=city>\nA\n</parameter>junk\n</function>\n</tool_call>",
+     {"city": "A\n</parameter>junk"}),
+])
+def test_cut_or_loose_calls(text, args):
     for size in (1, 3, 1000):
         content, calls = stream_tools(text, size)
-        assert calls == []
-        assert content == text
+        assert content == "before"
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("get_weather", args)]
 
 
 def test_untyped_parameters_and_text_after_call():
@@ -91,7 +116,20 @@ def test_convert_value():
     assert convert_value("seven", {"type": "integer"}) == "seven"       # wrong type: keep the text
     assert convert_value("[1,2]", {"type": "array"}) == [1, 2]
     assert convert_value("007", {"type": "string"}) == "007"
-    assert convert_value("null", {"type": ["string", "null"]}) == "null"
+    assert convert_value("null", {"type": "string"}) == "null"          # a plain string keeps "null"
+    assert convert_value("null", {"type": ["string", "null"]}) is None  # a nullable one reads it as null
+    # anyOf / oneOf as pydantic writes Optional[T]: the first declared type that fits wins
+    assert convert_value("42", {"anyOf": [{"type": "string"}, {"type": "null"}]}) == "42"
+    assert convert_value("42", {"oneOf": [{"type": "integer"}, {"type": "string"}]}) == 42
+    assert convert_value("abc", {"oneOf": [{"type": "integer"}, {"type": "string"}]}) == "abc"
+    assert convert_value("None", {"anyOf": [{"type": "integer"}, {"type": "null"}]}) is None
+    assert convert_value("1_000", {"type": "integer"}) == "1_000"       # Python-only spellings are not numbers
+    assert convert_value("nan", {"type": "number"}) == "nan"
+    assert convert_value("[1e999]", {"type": "array"}) == "[1e999]"      # not representable in JSON
+    assert convert_value("{1, 2}", {"type": "array"}) == "{1, 2}"        # a Python set is not a JSON array
+    assert convert_value("{'a': (1, None)}", {"type": "object"}) == {"a": (1, None)}
+    assert schema_types({"anyOf": [{"anyOf": [{"type": "null"}, {"type": "array"}]}, {"enum": ["a", 1]}]}) == \
+        (["array", "string", "integer"], True)
 
 
 THOUGHT = "<think>\nthe user wants x\nso y\n</think>\n\nThe answer is 4."
@@ -137,6 +175,98 @@ def test_reasoning_then_tool_call():
     assert r == "need weather"
     content, calls = parse_tool_calls(c, WEATHER_TOOLS)
     assert content == "Let me check." and calls[0]["function"]["name"] == "get_weather"
+
+
+# ---------------------------------------------------------------- streaming arguments, calls in <think>
+WRITE_TOOLS = tool_schemas([{"type": "function", "function": {"name": "write_file", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"},
+                                     "mode": {"type": "integer"}}}}}])
+BODY = 'line one\n  "quoted" \\ back\n</parameter> not a close\n<tool_call>\n<function=x>\n</function>\n</tool_call>\nend'
+LONG = ("I'll write it.\n<tool_call>\n<function=write_file>\n<parameter=path>\n/tmp/a.py\n</parameter>\n"
+        f"<parameter=content>\n{BODY}\n</parameter>\n<parameter=mode>\n644\n</parameter>\n</function>\n</tool_call>")
+
+
+def test_arguments_stream_before_the_call_closes():
+    """Name first, then string arguments while they generate; the pieces concatenate to exactly
+    the non-streamed arguments."""
+    p = ToolCallParser(WRITE_TOOLS)
+    seen = []                                  # (chars fed, delta)
+    for n, ch in enumerate(LONG, 1):
+        seen += [(n, x) for k, x in p.feed(ch) if k == "tool_call"]
+    seen += [(len(LONG), x) for k, x in p.finish() if k == "tool_call"]
+    head = LONG.index("<parameter=path>") + len("<parameter=path>")
+    assert seen[0][1]["function"] == {"name": "write_file", "arguments": ""} and seen[0][0] == head
+    args = "".join(x["function"]["arguments"] for _, x in seen)
+    _, (want,) = parse_tool_calls(LONG, WRITE_TOOLS)
+    assert args == want["function"]["arguments"]
+    assert json.loads(args) == {"path": "/tmp/a.py", "content": BODY, "mode": 644}
+    # most of the content went out before its </parameter> arrived (held: only undecided tags)
+    end_of_content = LONG.index("\n</parameter>\n<parameter=mode>")
+    early = "".join(x["function"]["arguments"] for n, x in seen if n <= end_of_content)
+    assert early.startswith('{"path": "/tmp/a.py", "content": "line one\\n  \\"quoted\\" \\\\ back\\n')
+    assert len(early) > len(json.dumps(BODY)) // 2
+
+
+@pytest.mark.parametrize("size", range(1, 14))
+def test_streamed_arguments_equal_whole_at_every_chunk_size(size):
+    content, calls = stream_tools(LONG, size, WRITE_TOOLS)
+    want_content, want = parse_tool_calls(LONG, WRITE_TOOLS)
+    assert content == want_content == "I'll write it."
+    assert [c["function"] for c in calls] == [c["function"] for c in want]
+
+
+def run_chat(text, size, in_think, tools):
+    p = ChatOutputParser(in_think, tools)
+    parts = []
+    for d in pieces(text, size):
+        parts += p.feed(d)
+    parts += p.feed("", final=True)
+    calls = []
+    for k, x in parts:
+        if k == "tool_call":
+            merge_tool_delta(calls, x)
+    return ("".join(x for k, x in parts if k == "reasoning").rstrip("\n") or None,
+            "".join(x for k, x in parts if k == "content") or None,
+            [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls], p.n_calls)
+
+
+IN_THINK = ("I should look it up.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "</function>\n</tool_call>\nThen answer.\n</think>\n\nLooking.\n" + TWO_CALLS.split("\n\n", 1)[1])
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 10_000])
+def test_tool_call_inside_think_is_a_call(size):
+    r, c, calls, n = run_chat(IN_THINK, size, True, WEATHER_TOOLS)
+    assert r == "I should look it up.\nThen answer."
+    assert c == "Looking."
+    assert calls == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Paris", "days": 3}),
+                     ("get_weather", {"city": "New York, NY", "metric": True, "extra": {"a": [1, 2]}})]
+    assert n == 3
+    whole = parse_chat_output(IN_THINK, True, WEATHER_TOOLS)
+    assert (whole[0], whole[1], [(x["function"]["name"], json.loads(x["function"]["arguments"])) for x in whole[2]]) \
+        == (r, c, calls)
+
+
+def test_tool_call_inside_think_without_tools_stays_reasoning():
+    r, c, calls, n = run_chat(IN_THINK, 3, True, None)
+    assert r.startswith("I should look it up.\n<tool_call>\n<function=get_weather>") and calls == [] and n == 0
+
+
+def test_not_a_call_inside_think_stays_reasoning():
+    text = "compare <tool_call> with <tool_call>\n<function=get_weather>\n</think>\nok"
+    for size in (1, 4, 100):
+        assert run_chat(text, size, True, WEATHER_TOOLS) == (
+            "compare <tool_call> with <tool_call>\n<function=get_weather>", "ok", [], 0)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 100])
+def test_repeated_think_after_prompt_opened_it(size):
+    # the prompt ends with "<think>\n" and the model writes <think> again
+    text = "<think>I need to think about this.</think>The answer is 42."
+    assert run_chat(text, size, True, None) == ("I need to think about this.", "The answer is 42.", [], 0)
+    assert run_chat("\n" + text, size, True, None)[:2] == ("I need to think about this.", "The answer is 42.")
+    assert run_chat("<thinking is fun</think>ok", size, True, None)[:2] == ("<thinking is fun", "ok")
+    assert run_chat("<thi", size, True, None)[:2] == ("<thi", None)
 
 
 # ---------------------------------------------------------------- stop strings
