@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from onegraph.custom_ops import schema_versions
 from onegraph.graphs.eager import SamplingParams, generate_eager, router_margins
+from onegraph.graphs.fuse import fuse_projections
 from onegraph.graphs.load import check_checkpoint, load_model, resolve_dtype
 from onegraph.graphs.tp import check_divisible
 from onegraph.runtime.artifact import device_descriptor, tool_versions, write_manifest
@@ -78,11 +79,11 @@ class ExportOptions:
 
 
 def shard(model, opts: ExportOptions) -> list:
-    """Tensor parallel: one model per rank (graphs/tp.py's plan); TP-1: [the model unchanged]."""
-    if opts.tp == 1:
-        return [model]
+    """One model per rank (graphs/tp.py's plan; TP-1: the model itself), each with its same-input
+    projections concatenated (graphs/fuse.py) after sharding."""
     from onegraph.graphs.load import shard_model
-    return [shard_model(model, r, opts.tp) for r in range(opts.tp)]
+    ranks = [model] if opts.tp == 1 else [shard_model(model, r, opts.tp) for r in range(opts.tp)]
+    return [fuse_projections(m) for m in ranks]
 
 
 @contextlib.contextmanager
@@ -145,8 +146,9 @@ def export(model_spec: str, out_dir: str | Path, opts: ExportOptions, progress: 
 
     bar.set_postfix_str("load")
     cfg, model, src = load_model(model_spec, dtype, dev, fp32_reduce=opts.fp32_reduce,
-                                  allow_unused=opts.allow_unused_weights)
+                                  allow_unused=opts.allow_unused_weights, fuse=False)
     ranks = shard(model, opts)
+    fuse_projections(model)          # the TP-1 eager model records the fixture: the same projections
     bar.update()
 
     graphs, timings = {}, {}

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
+from .fuse import fuse_projections
 from .qwen3_5 import Qwen35Model
 from .tp import check_divisible, shard_state_dict
 from .weights import Census, LoadError, census, check_quantization, load_into
@@ -94,9 +95,12 @@ def describe_checkpoint(spec: str | Path) -> tuple[str, LoadError | None]:
 
 
 def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
-               tp: int = 1, rank: int = 0, group=None, fp32_reduce: bool = False, allow_unused: bool = False):
+               tp: int = 1, rank: int = 0, group=None, fp32_reduce: bool = False, allow_unused: bool = False,
+               fuse: bool = True):
     """-> (cfg, model, checkpoint dir). tp > 1: rank `rank`'s shard (graphs/tp.py), whose collectives
     run over `group` (None: the default process group). fp32_reduce: Qwen35Model's option.
+    fuse: concatenate the same-input projections (graphs/fuse.py) after sharding; False only for a
+    caller that shards the TP-1 model itself (export) and fuses each rank afterwards.
     allow_unused: load even if the checkpoint holds tensors the model does not consume (logged);
     without it they are refused (graphs/weights.py), as is any quantization_config."""
     path = model_dir(spec)
@@ -109,6 +113,8 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: s
     load_into(model, path, resolve_dtype(dtype), allow_unused)
     if tp != 1:
         model = shard_model(model, rank, tp, group)
+    if fuse:
+        fuse_projections(model)
     return cfg, model.to(device).eval(), path
 
 

@@ -70,11 +70,19 @@ def new_state(cfg: ModelConfig, slots: int, max_seq_len: int, dtype: torch.dtype
             for t in state_spec(cfg, slots, max_seq_len, dtype, tp)]
 
 
+class Linear(nn.Linear):
+    """A projection through onegraph::linear (a GEMV at decode sizes on CUDA). x [N, in] -> [N, out]."""
+
+    def forward(self, x):
+        y = ops.linear(x, self.weight)
+        return y if self.bias is None else y + self.bias
+
+
 def _linear(n_in, n_out, bias=False):
-    return nn.Linear(n_in, n_out, bias=bias)
+    return Linear(n_in, n_out, bias=bias)
 
 
-class RowLinear(nn.Linear):
+class RowLinear(Linear):
     """A row-parallel projection (its output is all-reduced under TP). fp32_out: returns the fp32
     accumulation unrounded (onegraph::linear_f32), for `fp32_reduce`. x [N, in] -> [N, out]."""
 
@@ -84,9 +92,17 @@ class RowLinear(nn.Linear):
 
     def forward(self, x):
         if not self.fp32_out:
-            return F.linear(x, self.weight, self.bias)
+            return super().forward(x)
         y = ops.linear_f32(x, self.weight)
         return y if self.bias is None else y + self.bias.float()
+
+
+def _split(mod, x, parts):
+    """The outputs of `parts` (Linear attributes of mod) for input x: views of one concatenated
+    projection once graphs/fuse.py has fused them, else one projection each."""
+    if mod.fused_sizes is None:
+        return [getattr(mod, p)(x) for p in parts]
+    return mod.fused_proj(x).split(mod.fused_sizes, dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -112,22 +128,31 @@ class GatedDeltaNet(nn.Module):
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(cfg.linear_v_dim))
         self.out_proj = RowLinear(vd, H, fp32_out=fp32_reduce)
+        self.fused_sizes = None                      # graphs/fuse.py: in_proj = [qkv; z; b; a]
 
-    def _finish(self, core, x):
-        """core [N, HV, V], x [N, H] (normed input) -> [N, H]."""
+    @property
+    def fused_proj(self):
+        return self.in_proj
+
+    def _in(self, x):
+        """x [N, H] (normed input) -> qkv [N, C], z [N, HV*V], b [N, HV], a [N, HV]."""
+        return _split(self, x, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
+
+    def _finish(self, core, z):
+        """core [N, HV, V], z [N, HV*V] -> [N, H]."""
         cfg = self.cfg
-        z = self.in_proj_z(x).reshape(-1, cfg.linear_v_dim)
-        y = ops.gated_rms_norm(core.reshape(-1, cfg.linear_v_dim), z, self.norm.weight, cfg.rms_norm_eps)
-        return self.out_proj(y.reshape(x.shape[0], -1))
+        y = ops.gated_rms_norm(core.reshape(-1, cfg.linear_v_dim), z.reshape(-1, cfg.linear_v_dim), self.norm.weight,
+                               cfg.rms_norm_eps)
+        return self.out_proj(y.reshape(z.shape[0], -1))
 
     def decode(self, x, slots, conv, rec):
         """x [B, H] -> [B, H]; writes this step's conv/rec rows of `slots`."""
+        qkv, z, b, a = self._in(x)
         core, new_conv, new_rec = ops.gdn_decode_step(
-            self.in_proj_qkv(x), self.in_proj_a(x), self.in_proj_b(x), conv, rec, slots,
-            self.conv1d.weight[:, 0, :], self.A_log, self.dt_bias, self.num_k_heads)
+            qkv, a, b, conv, rec, slots, self.conv1d.weight[:, 0, :], self.A_log, self.dt_bias, self.num_k_heads)
         conv.index_copy_(0, slots, new_conv)
         rec.index_copy_(0, slots, new_rec)
-        return self._finish(core, x)
+        return self._finish(core, z)
 
     def prefill(self, x, slot, start_pos, n_valid, conv, rec):
         """x [T, H] -> [T, H]; tokens >= n_valid are padding and leave the state untouched."""
@@ -137,15 +162,16 @@ class GatedDeltaNet(nn.Module):
         fresh = start_pos == 0
         conv.index_copy_(0, slot, torch.where(fresh, 0.0, conv.index_select(0, slot)).to(conv.dtype))
         rec.index_copy_(0, slot, torch.where(fresh, 0.0, rec.index_select(0, slot)))
-        qkv, new_conv = ops.causal_conv_prefill(self.in_proj_qkv(x), conv, slot, n_valid, self.conv1d.weight[:, 0, :])
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)   # [T, HV]
-        beta = self.in_proj_b(x).sigmoid().float()
+        qkv, z, b, a = self._in(x)
+        qkv, new_conv = ops.causal_conv_prefill(qkv, conv, slot, n_valid, self.conv1d.weight[:, 0, :])
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)   # [T, HV]
+        beta = b.sigmoid().float()
         valid = (torch.arange(x.shape[0], device=x.device) < n_valid)[:, None]
         g, beta = g * valid, beta * valid
         core, new_rec = ops.gdn_prefill(qkv, g, beta, rec, slot, self.num_k_heads, GDN_CHUNK)
         conv.index_copy_(0, slot, new_conv)
         rec.index_copy_(0, slot, new_rec)
-        return self._finish(core, x)
+        return self._finish(core, z)
 
 
 class GatedAttention(nn.Module):
@@ -160,15 +186,21 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(D)
         self.k_norm = RMSNorm(D)
         self.scale = D ** -0.5
+        self.fused_sizes = None                      # graphs/fuse.py: qkv_proj = [q; k; v]
+
+    @property
+    def fused_proj(self):
+        return self.qkv_proj
 
     def _qkv(self, x, positions, inv_freq):
         """x [N, H] -> q [N, Hq, D], gate [N, Hq*D], k, v [N, KVH, D] (normed, rotated)."""
         cfg, N = self.cfg, x.shape[0]
-        qg = self.q_proj(x).view(N, self.num_heads, 2 * cfg.head_dim)
+        qg, k, v = _split(self, x, ("q_proj", "k_proj", "v_proj"))
+        qg = qg.view(N, self.num_heads, 2 * cfg.head_dim)
         q, gate = qg[..., : cfg.head_dim], qg[..., cfg.head_dim:].reshape(N, -1)
         q = ops.rms_norm(q, self.q_norm.weight, cfg.rms_norm_eps)
-        k = ops.rms_norm(self.k_proj(x).view(N, self.num_kv_heads, cfg.head_dim), self.k_norm.weight, cfg.rms_norm_eps)
-        v = self.v_proj(x).view(N, self.num_kv_heads, cfg.head_dim)
+        k = ops.rms_norm(k.view(N, self.num_kv_heads, cfg.head_dim), self.k_norm.weight, cfg.rms_norm_eps)
+        v = v.view(N, self.num_kv_heads, cfg.head_dim)
         return ops.rope(q, positions, inv_freq), gate, ops.rope(k, positions, inv_freq), v
 
     def _out(self, o, gate):
@@ -291,7 +323,7 @@ class Qwen35Model(nn.Module):
         return x                                                            # final-normed [N, H]
 
     def _logits(self, x):
-        logits = F.linear(x, self.lm_head_weight).float()                  # [N, vocab / tp] fp32
+        logits = ops.linear(x, self.lm_head_weight).float()                # [N, vocab / tp] fp32
         if self.tp == 1:
             return logits
         from torch.distributed import _functional_collectives as funcol

@@ -43,6 +43,21 @@ def copy_bandwidth(device, mib: int = 2048) -> float:
     return 2 * a.numel() * n / (time.perf_counter() - t)
 
 
+def region_bytes(model, B: int) -> dict:
+    """Weight bytes per decode step of the dense projections (every 2-D weight but the embedding and the
+    MoE block's) and of the MoE block (router, the experts the batch touches, the shared expert)."""
+    cfg, dense, moe = model.cfg, 0, 0
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if ".mlp." in name:
+            if ".experts." in name:
+                nbytes = int(nbytes * (1 - (1 - cfg.top_k / cfg.num_experts) ** B))
+            moe += nbytes
+        elif p.dim() == 2 and not name.endswith("embed_tokens.weight"):
+            dense += nbytes
+    return {"gemm": dense, "moe": moe}
+
+
 def bytes_per_step(model, B: int) -> int:
     """Weights read by one decode step: all dense weights, one embedding row per token, and the
     experts the batch touches (expected distinct experts under uniform routing)."""
@@ -79,9 +94,10 @@ def profile_regions(step, n: int):
         for _ in range(n):
             step()
         torch.cuda.synchronize()
-    per_kernel, largest_gemm = {}, 0.0
+    per_kernel, largest_gemm, launches = {}, 0.0, 0
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
+            launches += 1
             per_kernel[ev.name] = per_kernel.get(ev.name, 0.0) + ev.device_time / n
             if any(p in ev.name.lower() for p in dict(REGIONS)["gemm"]):
                 largest_gemm = max(largest_gemm, ev.device_time)
@@ -94,6 +110,7 @@ def profile_regions(step, n: int):
     regions = {k: round(v, 1) for k, v in sorted(regions.items(), key=lambda kv: -kv[1])}
     regions["total"] = round(sum(per_kernel.values()), 1)
     regions["largest_single_gemm(lm_head)"] = round(largest_gemm, 1)
+    regions["kernels_per_step"] = round(launches / n, 1)
     return regions, [{"kernel": k[:120], "us": round(v, 1)} for k, v in top]
 
 
@@ -260,6 +277,11 @@ def bench_batch(model, weights, B: int, args, dev, bw: float) -> dict:
         if args.rank == 0:
             r["regions_us_per_step"], r["top_kernels_us_per_step"] = profile_regions(
                 lambda: cap.step(rows, pos, samp), 10)
+            reg = r["regions_us_per_step"]
+            r["kernels_per_layer"] = round(reg["kernels_per_step"] / cfg.num_layers, 1)
+            # achieved bandwidth of a region = its weight bytes / its kernel time, as a fraction of copy bandwidth
+            r["region_fraction_of_bandwidth"] = {k: round(nb / (reg[k] * 1e-6) / bw, 3)
+                                                 for k, nb in region_bytes(model, B).items() if reg.get(k)}
         else:                                   # the same steps, so the collectives pair up
             for _ in range(10):
                 cap.step(rows, pos, samp)
@@ -325,6 +347,7 @@ def main(argv=None) -> int:
         print("bench_big: needs a CUDA device", file=sys.stderr)
         return 2
     from onegraph.graphs.config import ModelConfig
+    from onegraph.graphs.fuse import fuse_projections
     from onegraph.graphs.load import shard_model
     from onegraph.graphs.tiny import QWEN35_35B_A3B_HF_CONFIG, random_model
     from onegraph.runtime.tp import init_from_torchrun, leave, native
@@ -345,6 +368,7 @@ def main(argv=None) -> int:
         full, model = model, shard_model(model, args.rank, tp)
         del full
         torch.cuda.empty_cache()
+    fuse_projections(model)                             # as export does: after sharding
     res["params_B"] = round(sum(p.numel() for p in model.parameters()) / 1e9, 2)
     res["build_s"] = round(time.time() - t, 1)
     log("build_s", res["build_s"])

@@ -31,6 +31,7 @@ def eager_twin(ex):
     """A GraphExecutor running the onegraph eager model over the weights the artifact's graphs were
     lowered with (this rank's shard under tensor parallel), with the same buckets and slots."""
     from onegraph.graphs.config import ModelConfig
+    from onegraph.graphs.fuse import fuse_projections
     from onegraph.graphs.qwen3_5 import Qwen35Model
     from onegraph.runtime.artifact import load_weights
     from onegraph.runtime.executor import GraphExecutor
@@ -38,6 +39,7 @@ def eager_twin(ex):
     with torch.device("meta"):
         model = Qwen35Model(ModelConfig.from_dict(m["model"]), m.get("tp", {}).get("size", 1),
                             fp32_reduce=m["options"].get("fp32_reduce", False))
+    fuse_projections(model)                      # the artifact's weights are the concatenated projections
     weights = {k.removeprefix("model."): v for k, v in load_weights(m, ex.device).items()}
     inv_freq = weights.pop("inv_freq")           # a buffer the graphs hold as a constant; not in state_dict()
     model.load_state_dict(weights, strict=True, assign=True)

@@ -30,5 +30,5 @@ except ImportError as e:  # no triton: register no CUDA lowerings; the registry 
 else:
     AVAILABLE = True
     IMPORT_ERROR = None
-    from . import (attention_decode, attention_prefill, causal_conv, fused_moe,  # noqa: F401  (register)
+    from . import (attention_decode, attention_prefill, causal_conv, fused_moe, linear,  # noqa: F401  (register)
                    gdn_decode_step, gdn_prefill, norms, rope, sample)

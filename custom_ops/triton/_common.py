@@ -60,3 +60,21 @@ def rnd(x, DT: tl.constexpr):
         return _rne_bf16(x)
     else:
         return x.to(DT).to(tl.float32)
+
+
+@triton.jit
+def mma(a, b, acc, DOT_F32: tl.constexpr):
+    """acc + a @ b in fp32. fp32 operands use IEEE fp32 (tf32 would miss the fp32 tolerance).
+    DOT_F32 (True only for interpreted kernels): Triton's CPU interpreter multiplies bf16 tl.dot operands
+    as their raw uint16 bits (triton 3.6 interpreter create_dot), so there they are upcast first (exact;
+    same products, fp32 accumulation). Compiled kernels keep bf16 operands (tensor cores)."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    elif DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+# Interpreted kernels (TRITON_INTERPRET=1 in the CPU tests) need the bf16 dot workaround in `mma`.
+INTERPRETED = not isinstance(mma, triton.runtime.jit.JITFunction)

@@ -26,11 +26,11 @@ from triton.runtime.jit import JITFunction
 from triton.backends.compiler import GPUTarget
 
 from .. import _registry
-from . import (attention_decode, attention_prefill, causal_conv, fused_moe, gdn_decode_step, gdn_prefill, norms,
-               rope, sample)
+from . import (attention_decode, attention_prefill, causal_conv, fused_moe, gdn_decode_step, gdn_prefill, linear,
+               norms, rope, sample)
 
-MODULES = (attention_decode, attention_prefill, causal_conv, fused_moe, gdn_decode_step, gdn_prefill, norms, rope,
-           sample)
+MODULES = (attention_decode, attention_prefill, causal_conv, fused_moe, gdn_decode_step, gdn_prefill, linear, norms,
+           rope, sample)
 SMEM_LIMIT = 232448            # bytes per block on sm_90 (227 KiB opt-in)
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
           torch.int32: "i32"}
@@ -51,6 +51,8 @@ def cases(B: int):
     yield "attention_decode", (torch.empty(B, 16, 256, **bf), torch.empty(S, 2, 4096, 256, **bf),
                                torch.empty(S, 2, 4096, 256, **bf), torch.empty(B, dtype=torch.int64, **m),
                                torch.empty(B, dtype=torch.int64, **m), 256 ** -0.5)
+    yield "linear", (torch.empty(B, 2048, **bf), torch.empty(12352, 2048, **bf))
+    yield "linear", (torch.empty(B, 4096, **bf), torch.empty(2048, 4096, **bf))
     yield "rms_norm", (torch.empty(B, 2048, **bf), torch.empty(2048, **bf), 1e-6)
     yield "add_rms_norm", (torch.empty(B, 2048, **bf), torch.empty(B, 2048, **bf), torch.empty(2048, **bf), 1e-6)
     yield "gated_rms_norm", (torch.empty(B * 32, 128, **bf), torch.empty(B * 32, 128, **bf), torch.empty(128, **bf), 1e-6)

@@ -32,21 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import launch as _launch, next_pow2, rnd, to_dt
-
-
-@triton.jit
-def _mma(a, b, acc, DOT_F32: tl.constexpr):
-    """acc + a @ b in fp32. fp32 operands use IEEE fp32 (tf32 would miss the fp32 tolerance).
-    DOT_F32 (True only for interpreted kernels): Triton's CPU interpreter multiplies bf16 tl.dot operands
-    as their raw uint16 bits (triton 3.6 interpreter create_dot), so there they are upcast first (exact;
-    same products, fp32 accumulation). Compiled kernels keep bf16 operands (tensor cores)."""
-    if a.dtype == tl.float32:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    elif DOT_F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
+from ._common import INTERPRETED, launch as _launch, mma, next_pow2, rnd, to_dt
 
 
 @triton.jit
@@ -79,8 +65,8 @@ def _grouped_swiglu_kernel(x, src, blk_e, blk_row, blk_end, wg, wu, act,
             mw = mk[:, None] & mc[None, :]
             g = tl.load(g_cols + kk[:, None] * s_g_h, mask=mw, other=0.0)                          # [BK, BN]
             u = tl.load(u_cols + kk[:, None] * s_u_h, mask=mw, other=0.0)
-            acc_g = _mma(xa, g, acc_g, DOT_F32)
-            acc_u = _mma(xa, u, acc_u, DOT_F32)
+            acc_g = mma(xa, g, acc_g, DOT_F32)
+            acc_u = mma(xa, u, acc_u, DOT_F32)
         g = rnd(acc_g, DT)                            # F.linear output in x.dtype
         u = rnd(acc_u, DT)
         a = rnd(rnd(g * tl.sigmoid(g), DT) * u, DT)   # silu in x.dtype, then the product
@@ -112,7 +98,7 @@ def _grouped_down_kernel(act, src, wts, blk_e, blk_row, blk_end, wd, out,
             mk = kk < K
             a = tl.load(act + rows[:, None] * K + kk[None, :], mask=mr[:, None] & mk[None, :], other=0.0)  # [BM, BK]
             d = tl.load(d_cols + kk[:, None] * s_d_k, mask=mk[:, None] & mc[None, :], other=0.0)          # [BK, BN]
-            acc = _mma(a, d, acc, DOT_F32)
+            acc = mma(a, d, acc, DOT_F32)
         y = rnd(acc, DT)                              # F.linear(act, down[e]) in x.dtype
         dst = tl.load(src + rows, mask=mr, other=0)  # [BM] pair (routed) or token (shared)
         if HAS_W:
@@ -151,8 +137,6 @@ BM_MAX, BN_MAX, BK_MAX = 64, 64, 64
 BH_COMBINE = 256
 
 
-# Interpreted kernels (TRITON_INTERPRET=1 in the CPU tests) need the bf16 dot workaround in `_mma`.
-_INTERPRETED = not isinstance(_mma, triton.runtime.jit.JITFunction)
 
 
 def _tile(n: int, cap: int) -> int:
@@ -194,7 +178,7 @@ def _grouped_swiglu(x, ids, E, wg, wu, u0, N, topk, launch):
     launch(_grouped_swiglu_kernel, (blk_e.shape[0], triton.cdiv(N, BN)),
            x, src, blk_e, blk_row, blk_end, wg, wu, act,
            *x.stride(), *_strides3(wg), *_strides3(wu), u0,
-           H=H, N=N, TOPK=topk, BM=BM, BN=BN, BK=BK, DOT_F32=_INTERPRETED, num_warps=4)
+           H=H, N=N, TOPK=topk, BM=BM, BN=BN, BK=BK, DOT_F32=INTERPRETED, num_warps=4)
     return act, src, (blk_e, blk_row, blk_end), BM
 
 
@@ -203,7 +187,7 @@ def _grouped_down(act, src, blocks, BM, wd, wts, out, launch):
     BN, BK = _tile(H, BN_MAX), _tile(K, BK_MAX)
     launch(_grouped_down_kernel, (blocks[0].shape[0], triton.cdiv(H, BN)),
            act, src, wts if wts is not None else act, *blocks, wd, out, *_strides3(wd),
-           K=K, H=H, HAS_W=wts is not None, BM=BM, BN=BN, BK=BK, DOT_F32=_INTERPRETED,
+           K=K, H=H, HAS_W=wts is not None, BM=BM, BN=BN, BK=BK, DOT_F32=INTERPRETED,
            num_warps=4)
 
 

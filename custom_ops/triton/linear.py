@@ -1,0 +1,108 @@
+"""Triton lowering of linear (contract: custom_ops/linear.py): a GEMV for decode sizes.
+
+At decode (M = 1..GEMV_MAX_M rows) a projection reads its whole weight for a handful of rows: it is
+bound by memory bandwidth, and cuBLAS at M = 1 reached only 50-80 % of it on the H200 for the
+K = 4096 and the concatenated projections, and paid a 3-5 us floor per small matrix.
+Grid: cdiv(N, BN) programs; program n reads rows [n*BN, (n+1)*BN) of w [N, K] once, in [BN, BK] tiles,
+for all M rows of x:
+- M == 1: fp32 FMA into a [BN, BK] accumulator, one reduction over BK at the end;
+- 1 < M <= GEMV_MAX_M: tl.dot of x [BM = 16, BK] (rows >= M masked to 0) with the tile transposed,
+  fp32 accumulation (tensor cores; the padding rows cost compute, which is free here).
+The tile (BN, BK, warps, stages) is chosen from (M, K) only — never from N — so every output column is
+the same sum in the same order whatever N is: a weight concatenated along N (graphs/fuse.py) gives
+bit-identical columns to the separate weights. Above GEMV_MAX_M rows the aten GEMM (cuBLAS) runs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch.library import triton_op
+
+from .. import _registry
+from ..linear import _validate
+from ._common import INTERPRETED, launch, mma, to_dt
+
+GEMV_MAX_M = 16
+
+
+@triton.jit
+def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, K: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
+                 DOT_F32: tl.constexpr):
+    """y[:M, n-tile] = x[:M] @ w[n-tile].T; x and w contiguous along K."""
+    pid = tl.program_id(0)
+    DT: tl.constexpr = y.dtype.element_ty
+    rn = pid * BN + tl.arange(0, BN)
+    mn = rn < N
+    rn64 = rn.to(tl.int64)                           # w offsets pass 2**31 for the large projections
+    if DOT:
+        rm = tl.arange(0, BM)
+        mm = rm < M
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            mk = rk < K
+            xt = tl.load(x + rm[:, None] * s_x_m + rk[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
+            wt = tl.load(w + rn64[:, None] * s_w_n + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+            acc = mma(xt, tl.trans(wt), acc, DOT_F32)
+        tl.store(y + rm[:, None] * s_y_m + rn[None, :], to_dt(acc, DT), mask=mm[:, None] & mn[None, :])
+    else:
+        acc = tl.zeros([BN, BK], tl.float32)
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            mk = rk < K
+            xv = tl.load(x + rk, mask=mk, other=0.0).to(tl.float32)
+            wt = tl.load(w + rn64[:, None] * s_w_n + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+            acc += wt.to(tl.float32) * xv[None, :]
+        tl.store(y + rn, to_dt(tl.sum(acc, axis=1), DT), mask=mn)
+
+
+# (BN, BK, num_warps, num_stages) by (M == 1, K): the tile with the least time per 35B decode step over
+# that class's projections (fused GDN in_proj x30, fused attention qkv x10, out/o_proj x40), measured on
+# the H200 by `python -m onegraph.tools.bench_linear` (benchmarks/h200_linear.json). At M = 1 it reads the
+# fused GDN in_proj (50.6 MB) in 13.7 us (87 % of copy bandwidth; cuBLAS 15.6 us), out_proj (16.8 MB,
+# K = 4096) in 6.5 us (61 %; cuBLAS 9.4 us: a fixed ~2 us of launch and ramp-up dominates at this size).
+TILES = {
+    (True, 2048): (4, 128, 8, 3),
+    (True, 4096): (4, 128, 8, 1),
+    (False, 2048): (32, 128, 4, 4),
+    (False, 4096): (16, 256, 4, 4),
+}
+DEFAULT_TILE = {True: (4, 128, 8, 3), False: (32, 128, 4, 4)}
+
+
+def tile(M: int, K: int) -> tuple[int, int, int, int]:
+    one = M == 1
+    bn, bk, warps, stages = TILES.get((one, K), DEFAULT_TILE[one])
+    return bn, min(bk, triton.next_power_of_2(K)), warps, stages
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x [M <= GEMV_MAX_M, K] @ w [N, K].T by _gemv_kernel; cfg overrides the tile (benchmarks only)."""
+    M, K = x.shape
+    N = w.shape[0]
+    x, w = x.contiguous(), w.contiguous()
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    bn, bk, warps, stages = cfg or tile(M, K)
+    launch(_gemv_kernel, (triton.cdiv(N, bn),), x, w, y, M, N, x.stride(0), w.stride(0), y.stride(0), K=K,
+           BM=16, BN=bn, BK=bk, DOT=M > 1, DOT_F32=INTERPRETED, num_warps=warps, num_stages=stages)
+    return y
+
+
+def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T: the GEMV up to GEMV_MAX_M rows, the aten GEMM above (static at trace time:
+    prefill chunks and large decode buckets). Also the MoE router's projection (fused_moe.py)."""
+    if x.shape[0] > GEMV_MAX_M:
+        return F.linear(x, w)
+    return gemv(x, w)
+
+
+@triton_op("onegraph::linear_triton", mutates_args=())
+def linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    _validate(x, w)
+    return project(x, w)
+
+
+_registry.register_lowering("linear", "triton", torch.ops.onegraph.linear_triton.default)

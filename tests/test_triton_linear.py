@@ -1,0 +1,87 @@
+"""onegraph::linear's CUDA lowering (custom_ops/triton/linear.py) against F.linear, and the projection
+concatenation it makes exact (graphs/fuse.py). Runs in Triton's CPU interpreter without a GPU (small
+awkward shapes) and compiled on a GPU (plus the `cuda` tests at Qwen3.5-35B-A3B shapes).
+
+Tolerances: fp32 1e-4 relative to the row's scale (another summation order); bf16: the kernel rounds
+its fp32 sum once, as cuBLAS does, so it is within 1 bf16 ulp of the fp32 reference (2**-8 relative).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from triton_env import CUDA, DEVICE, HAVE_TRITON, cuda_only, kernels, needs_triton  # noqa: F401
+
+if kernels.AVAILABLE:
+    from onegraph.custom_ops.triton import linear as lin
+
+ULP = {torch.float32: 1e-4, torch.bfloat16: 2.0 ** -8}
+
+
+def _inputs(M, N, K, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(N, K, generator=g) * K ** -0.5).to(dtype).to(DEVICE)
+    return x, w
+
+
+def _check(y, x, w):
+    ref = F.linear(x.double(), w.double())
+    scale = ref.abs().amax().clamp(min=1.0)
+    err = ((y.double() - ref).abs() / scale).max().item()
+    # bf16: one rounding of an (almost) exact sum: half an ulp of |y| <= scale, plus fp32 slack
+    assert err <= ULP[x.dtype], f"max relative error {err:.3g} > {ULP[x.dtype]:.3g}"
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 3, 16])
+def test_gemv_matches_linear(M, dtype):
+    x, w = _inputs(M, 37, 300, dtype)            # N not a multiple of the tile, K not a multiple of BK
+    y = lin.gemv(x, w)
+    assert y.shape == (M, 37) and y.dtype == dtype
+    _check(y, x, w)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_concatenated_weight_is_bit_identical(dtype):
+    """The tile depends on (M, K) only, so a column's sum does not depend on which rows sit beside it.
+    (M = 1: the interpreter's FMA path is exact too; the tl.dot path is checked on the GPU below.)"""
+    x, w = _inputs(1, 70, 300, dtype, seed=1)
+    parts = [w[:37], w[37:69], w[69:]]
+    y = lin.gemv(x, torch.cat(parts))
+    assert torch.equal(y, torch.cat([lin.gemv(x, p) for p in parts], 1))
+
+
+@needs_triton
+def test_linear_triton_above_the_gemv_rows_is_the_aten_gemm():
+    x, w = _inputs(lin.GEMV_MAX_M + 1, 24, 40, torch.float32)
+    assert torch.equal(torch.ops.onegraph.linear_triton(x, w), F.linear(x, w))
+
+
+@pytest.mark.parametrize("M", [1, 4, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("parts", [(8192, 4096, 32, 32), (8192, 512, 512)], ids=["gdn_in_proj", "attn_qkv"])
+@pytest.mark.parametrize("K", [2048])
+def test_gemv_35b_shapes_concatenated(M, dtype, parts, K):
+    x, w = _inputs(M, sum(parts), K, dtype, seed=2)
+    y = lin.gemv(x, w)
+    _check(y, x, w)
+    split = torch.split(w, list(parts))
+    assert torch.equal(y, torch.cat([lin.gemv(x, p) for p in split], 1)), "concatenation changed a column"
+
+
+for _m in cuda_only:
+    test_gemv_35b_shapes_concatenated = _m(test_gemv_35b_shapes_concatenated)
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 2048, 4096), (8, 2048, 4096), (1, 256, 2048), (1, 248320, 2048)])
+def test_gemv_35b_shapes(M, N, K):
+    x, w = _inputs(M, N, K, torch.bfloat16, seed=3)
+    _check(lin.gemv(x, w), x, w)
+
+
+for _m in cuda_only:
+    test_gemv_35b_shapes = _m(test_gemv_35b_shapes)

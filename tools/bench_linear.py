@@ -1,0 +1,119 @@
+"""Projection GEMV vs cuBLAS at Qwen3.5-35B-A3B decode shapes, on a CUDA device; picks the GEMV tiles.
+
+    python -m onegraph.tools.bench_linear --out benchmarks/h200_linear.json
+
+Each measurement is one CUDA graph of `calls` launches on distinct copies of the weight (so L2 never
+holds it), replayed `reps` times: µs per call and its fraction of the device's copy bandwidth. For every
+(M == 1, K) class it reports the tile with the least time per decode step over that class's shapes — the tile
+custom_ops/triton/linear.py's TILES must hold (a tile may depend on (M, K) only, see there).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+# (name, N, K, uses per decode step through onegraph::linear): the 35B decode projections after
+# graphs/fuse.py; q_proj alone, the router and lm_head are measured for reference, not used to pick tiles
+SHAPES = [("gdn_in_proj", 12352, 2048, 30), ("attn_qkv", 9216, 2048, 10), ("q_proj", 8192, 2048, 0),
+          ("out_or_o_proj", 2048, 4096, 40), ("router", 256, 2048, 0), ("lm_head", 248320, 2048, 0)]
+GEMV_TILES = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((4, 8, 16, 32), (128, 256, 512, 1024), (4, 8),
+                                                                   (1, 3)) if bn * bk <= 16384]
+DOT_TILES = list(itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4)))
+
+
+def copy_bandwidth(dev) -> float:
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    return 2 * a.numel() * 10 / (time.perf_counter() - t)
+
+
+def time_calls(fn, ws, x, reps: int) -> float:
+    """µs per call of fn(x, w) over a CUDA graph that calls it once per weight copy in ws."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for w in ws[:2]:
+            fn(x, w)                                   # compile / warm up outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for w in ws:
+            fn(x, w)
+    g.replay()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        g.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / reps / len(ws) * 1e6
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,8", help="comma-separated M values")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_linear: needs a CUDA device", file=sys.stderr)
+        return 2
+    from onegraph.custom_ops.triton import linear as lin
+    dev = torch.device("cuda")
+    bw = copy_bandwidth(dev)
+    res = {"command": "python -m onegraph.tools.bench_linear " + " ".join(sys.argv[1:] if argv is None else argv),
+           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_GBps": round(bw / 1e9, 1),
+           "rows": []}
+    totals: dict = {}
+    for M in [int(v) for v in args.rows.split(",")]:
+        for name, N, K, uses in SHAPES:
+            nbytes = N * K * 2
+            copies = max(2, min(20, (800 << 20) // nbytes))
+            ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * K ** -0.5 for _ in range(copies)]
+            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+            row = {"M": M, "name": name, "N": N, "K": K, "MB": round(nbytes / 1e6, 1)}
+            us = time_calls(F.linear, ws, x, args.reps)
+            row["cublas_us"], row["cublas_bw"] = round(us, 2), round(nbytes / (us * 1e-6) / bw, 3)
+            tiles = GEMV_TILES if M == 1 else DOT_TILES
+            per = {}
+            for cfg in tiles:
+                try:
+                    per[cfg] = time_calls(lambda a, w: lin.gemv(a, w, cfg), ws, x, args.reps)
+                except Exception as e:                          # a tile that does not compile: not a candidate
+                    per[cfg] = float("inf")
+                    row.setdefault("failed_tiles", []).append(f"{cfg}: {type(e).__name__}")
+                if uses:                                        # µs per decode step of this class
+                    totals.setdefault((M == 1, K), {}).setdefault(cfg, 0.0)
+                    totals[(M == 1, K)][cfg] += per[cfg] * uses
+            best = min(per, key=per.get)
+            row["best_tile"], row["best_us"] = list(best), round(per[best], 2)
+            row["best_bw"] = round(nbytes / (per[best] * 1e-6) / bw, 3)
+            row["current_tile"] = list(lin.tile(M, K))
+            row["current_us"] = round(per.get(lin.tile(M, K), time_calls(lambda a, w: lin.gemv(a, w), ws, x,
+                                                                          args.reps)), 2)
+            res["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            del ws
+            torch.cuda.empty_cache()
+    res["best_tile_per_class"] = {f"M==1:{one} K={K}": {"tile": list(min(t, key=t.get)),
+                                                        "total_us": round(min(t.values()), 2)}
+                                  for (one, K), t in totals.items()}
+    print(json.dumps(res["best_tile_per_class"], indent=1))
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
