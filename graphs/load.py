@@ -10,6 +10,7 @@ import torch
 
 from .config import ModelConfig
 from .fuse import fuse_projections
+from .mtp import attach_mtp
 from .qwen3_5 import Qwen35Model
 from .tp import check_divisible, shard_state_dict
 from .weights import Census, LoadError, census, check_quantization, load_into
@@ -96,18 +97,22 @@ def describe_checkpoint(spec: str | Path) -> tuple[str, LoadError | None]:
 
 def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
                tp: int = 1, rank: int = 0, group=None, fp32_reduce: bool = False, allow_unused: bool = False,
-               fuse: bool = True):
+               fuse: bool = True, mtp: bool = False):
     """-> (cfg, model, checkpoint dir). tp > 1: rank `rank`'s shard (graphs/tp.py), whose collectives
     run over `group` (None: the default process group). fp32_reduce: Qwen35Model's option.
     fuse: concatenate the same-input projections (graphs/fuse.py) after sharding; False only for a
     caller that shards the TP-1 model itself (export) and fuses each rank afterwards.
     allow_unused: load even if the checkpoint holds tensors the model does not consume (logged);
-    without it they are refused (graphs/weights.py), as is any quantization_config."""
+    without it they are refused (graphs/weights.py), as is any quantization_config.
+    mtp: also load the checkpoint's MTP head (`mtp.*`) as `model.mtp` (graphs/mtp.py; TP-1 only, never
+    exported); without it those keys are skipped."""
     path = model_dir(spec)
     cfg = read_config(path)
     if tp != 1:
         check_divisible(cfg, tp)                     # fail before reading any weights
     model = meta_model(cfg, fp32_reduce)
+    if mtp:
+        attach_mtp(model, path, tp)
     model.to_empty(device="cpu")
     model.inv_freq.copy_(Qwen35Model.rope_inv_freq(cfg))
     load_into(model, path, resolve_dtype(dtype), allow_unused)

@@ -40,6 +40,7 @@ TINY_HF_CONFIG = {
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 32,
     "shared_expert_intermediate_size": 32,
+    "mtp_num_hidden_layers": 1,                 # the MTP head (graphs/mtp.py), `mtp.*` keys
     "hidden_act": "silu",
     "rms_norm_eps": 1e-6,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
@@ -51,12 +52,32 @@ TINY_HF_CONFIG = {
 }
 
 
+def hf_tensors(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Model-side parameter names -> HF hub names: a `model.` prefix (not on `lm_head.*` nor `mtp.*`,
+    which the hub keeps at the top level) and fused experts split into per-expert keys."""
+    out = {}
+    for name, t in named.items():
+        hub = name if name.startswith(("lm_head.", "mtp.")) else f"model.{name}"
+        if name.endswith("experts.gate_up_proj"):
+            prefix, I = hub[: -len(".gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"] = t[e, :I].contiguous()
+                out[f"{prefix}.{e}.up_proj.weight"] = t[e, I:].contiguous()
+        elif name.endswith("experts.down_proj"):
+            prefix = hub[: -len(".down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            out[hub] = t.contiguous()
+    return out
+
+
 def random_hf_weights(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
     """Seeded random values for every parameter of a Qwen35Model, under HF hub names
     (`model.` prefix, per-expert keys). Scales keep activations O(1) so greedy ids are not
     dominated by ties."""
     gen = torch.Generator().manual_seed(seed)
-    out = {}
+    named = {}
     for name, p in model.named_parameters():
         shape = tuple(p.shape)
         if name.endswith("A_log"):
@@ -68,19 +89,8 @@ def random_hf_weights(model: torch.nn.Module, seed: int) -> dict[str, torch.Tens
         else:
             fan_in = shape[-1]
             t = torch.randn(shape, generator=gen) * (fan_in ** -0.5)
-        if name.endswith("experts.gate_up_proj"):
-            prefix, I = name[: -len(".gate_up_proj")], shape[1] // 2
-            for e in range(shape[0]):
-                out[f"model.{prefix}.{e}.gate_proj.weight"] = t[e, :I].contiguous()
-                out[f"model.{prefix}.{e}.up_proj.weight"] = t[e, I:].contiguous()
-            continue
-        if name.endswith("experts.down_proj"):
-            prefix = name[: -len(".down_proj")]
-            for e in range(shape[0]):
-                out[f"model.{prefix}.{e}.down_proj.weight"] = t[e].contiguous()
-            continue
-        out[name if name.startswith("lm_head") else f"model.{name}"] = t.contiguous()
-    return out
+        named[name] = t
+    return hf_tensors(named)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -108,21 +118,28 @@ def tiny_tokenizer():
     return tok
 
 
-def write_tiny(out_dir: str | Path, seed: int = 0) -> Path:
-    from .config import ModelConfig
-    from .qwen3_5 import Qwen35Model
+def write_checkpoint(out_dir: str | Path, tensors: dict[str, torch.Tensor],
+                     hf_config: dict | None = None) -> Path:
+    """An HF-format checkpoint of tiny's shape: config.json, model.safetensors (`tensors`, hub names),
+    tokenizer.json and tokenizer_config.json with the chat template."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = ModelConfig.from_hf(TINY_HF_CONFIG)
-    with torch.device("meta"):
-        model = Qwen35Model(cfg)
-    save_file(random_hf_weights(model, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(TINY_HF_CONFIG, indent=2))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config or TINY_HF_CONFIG, indent=2))
     tiny_tokenizer().save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "pad_token": "<|pad|>",
         "bos_token": None, "model_max_length": TINY_HF_CONFIG["max_position_embeddings"]}, indent=2))
     return out
+
+
+def write_tiny(out_dir: str | Path, seed: int = 0) -> Path:
+    from .config import ModelConfig
+    from .qwen3_5 import Qwen35Model
+    cfg = ModelConfig.from_hf(TINY_HF_CONFIG)
+    with torch.device("meta"):
+        model = Qwen35Model(cfg)
+    return write_checkpoint(out_dir, random_hf_weights(model, seed))
 
 
 # The Qwen3.5-35B-A3B text shape (transformers Qwen3_5MoeTextConfig defaults; FACTS.md), for benchmarks
