@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from onegraph.runtime import QueueFull
 
 from .metrics import CONTENT_TYPE_LATEST, Metrics
-from .parsers import ReasoningParser, ToolCallParser, tool_schemas
+from .parsers import ChatOutputParser, merge_tool_delta, tool_schemas
 from .stops import StopMatcher
 from .text import IncrementalDetokenizer, TextCodec
 
@@ -187,8 +187,7 @@ class _Choice:
     t_last: float | None = None
     detok: Any = None
     stop: Any = None
-    reason: Any = None
-    tools: Any = None
+    parser: Any = None             # ChatOutputParser (chat) or None (completions: text as is)
     # accumulated (non-stream)
     text: list = dataclasses.field(default_factory=list)
     reasoning: list = dataclasses.field(default_factory=list)
@@ -196,15 +195,9 @@ class _Choice:
 
     def pipe(self, text: str, final: bool) -> list[tuple[str, Any]]:
         """Released text -> [(kind, payload)] through the reasoning and tool-call parsers."""
-        parts = [("content", text)] if text else []
-        if self.reason is not None:
-            parts = (self.reason.feed(text) if text else []) + (self.reason.finish() if final else [])
-        if self.tools is not None:
-            out = []
-            for kind, x in parts:
-                out += self.tools.feed(x) if kind == "content" else [(kind, x)]
-            parts = out + (self.tools.finish() if final else [])
-        return [(k, x) for k, x in parts if k == "tool_call" or x]
+        if self.parser is not None:
+            return self.parser.feed(text, final)
+        return [("content", text)] if text else []
 
     def on_token(self, tok: int) -> tuple[list, bool]:
         now = time.perf_counter()
@@ -222,7 +215,10 @@ class _Choice:
 
     def record(self, parts):
         for kind, x in parts:
-            {"content": self.text, "reasoning": self.reasoning, "tool_call": self.calls}[kind].append(x)
+            if kind == "tool_call":                # streaming deltas -> whole calls
+                merge_tool_delta(self.calls, x)
+            else:
+                {"content": self.text, "reasoning": self.reasoning}[kind].append(x)
 
 
 @dataclasses.dataclass
@@ -319,9 +315,8 @@ class _Server:
         try:
             for i in range(job.n):
                 seed = None if job.seed is None else (job.seed + i - INT64_MIN) % 2 ** 64 + INT64_MIN
-                c = _Choice(i, detok=IncrementalDetokenizer(self.codec), stop=StopMatcher(job.stops),
-                            reason=ReasoningParser(job.in_think) if job.in_think is not None else None,
-                            tools=ToolCallParser(job.tools) if job.tools is not None else None)
+                parser = ChatOutputParser(job.in_think, job.tools) if job.kind == "chat" else None
+                c = _Choice(i, detok=IncrementalDetokenizer(self.codec), stop=StopMatcher(job.stops), parser=parser)
                 c.rid = self.engine.submit(
                     job.prompt_ids, (lambda ev, i=i: loop.call_soon_threadsafe(q.put_nowait, (i, ev))),
                     max_new_tokens=job.max_tokens, seed=seed, stop_ids=job.stop_ids, **job.sampling)
@@ -408,7 +403,9 @@ class _Server:
 
     @staticmethod
     def openai_finish(c: _Choice) -> str:
-        return "tool_calls" if c.calls or c.tools is not None and c.tools.n_calls else c.finish
+        # a call cut short by max_tokens keeps "length": its arguments are not complete
+        called = c.calls or c.parser is not None and c.parser.n_calls
+        return "tool_calls" if called and c.finish != "length" else c.finish
 
     # ---- responses ----
     async def run(self, request: Request, job: _Job):
@@ -435,7 +432,7 @@ class _Server:
             if job.kind == "chat":
                 content = "".join(c.text)
                 msg = {"role": "assistant", "content": content if content or not c.calls else None}
-                if c.reason is not None and c.reasoning:
+                if c.parser is not None and c.parser.reason is not None and c.reasoning:
                     msg["reasoning_content"] = "".join(c.reasoning).rstrip("\n")
                 if c.calls:
                     msg["tool_calls"] = [{k: v for k, v in tc.items() if k != "index"} for tc in c.calls]

@@ -351,8 +351,10 @@ def test_tool_calls_and_reasoning_end_to_end(engine, codec):
         chunks = list(cl.chat.completions.create(**kw, stream=True))
         deltas = [c.choices[0].delta for c in chunks if c.choices]
         calls = [tc for d in deltas for tc in (d.tool_calls or [])]
-        assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "get_weather"
-        assert json.loads(calls[0].function.arguments) == {"city": "Paris", "days": 2}
+        # name first, then the arguments in pieces as they generate
+        assert calls[0].index == 0 and calls[0].function.name == "get_weather" and len(calls) > 2
+        assert all(c.index == 0 and c.id is None and c.function.name is None for c in calls[1:])
+        assert json.loads("".join(c.function.arguments for c in calls)) == {"city": "Paris", "days": 2}
         assert "".join(d.content or "" for d in deltas) == "Checking."
         assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas).strip() == "The user wants weather."
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
@@ -365,13 +367,38 @@ def test_tool_calls_and_reasoning_end_to_end(engine, codec):
         assert cl.chat.completions.create(**{**kw, "messages": follow}).choices[0].finish_reason == "tool_calls"
 
 
-def test_malformed_tool_call_is_content(engine, codec):
-    bad = "Sure <tool_call>\n<function=get_weather>\n<parameter=city>\nPar"
+def test_not_a_call_is_content(engine, codec):
+    bad = "Sure <tool_call>\n<function={{ name }}>\n</function>\n</tool_call>"
     with running(create_app(ScriptedEngine(engine, codec, bad), MODEL)) as url:
         cl = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         r = cl.chat.completions.create(model=MODEL, messages=MSGS, tools=TOOLS, max_tokens=100)
         assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == bad
         assert not r.choices[0].message.tool_calls
+
+
+def test_cut_call_says_length_and_call_in_think_says_tool_calls(engine, codec):
+    # cut by max_tokens inside a value: the call was already streamed; it stays, finish_reason "length"
+    cut = "Sure <tool_call>\n<function=get_weather>\n<parameter=city>\nParis and more words that get cut"
+    n = len(codec.encode(cut)) - 3
+    # Qwen3.5/3.6 may write the call inside <think>: it is a call, finish_reason "tool_calls"
+    think = ("<think>\nLet me look.\n<tool_call>\n<function=get_weather>\n<parameter=days>\n2\n</parameter>\n"
+             "</function>\n</tool_call>\n</think>\n\n")
+    for script, kw, finish in [(cut, {"max_tokens": n}, "length"), (think, {}, "tool_calls")]:
+        with running(create_app(ScriptedEngine(engine, codec, script), MODEL)) as url:
+            cl = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+            r = cl.chat.completions.create(model=MODEL, messages=MSGS, tools=TOOLS, **kw)
+            assert r.choices[0].finish_reason == finish
+            (call,) = r.choices[0].message.tool_calls
+            chunks = list(cl.chat.completions.create(model=MODEL, messages=MSGS, tools=TOOLS, stream=True, **kw))
+            deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+            assert chunks[-1].choices[0].finish_reason == finish
+            assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_")
+            assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+            if finish == "length":       # the value streamed token by token, before the cut
+                assert r.choices[0].message.content == "Sure" and len(deltas) > 3
+                assert json.loads(call.function.arguments)["city"].startswith("Paris and")
+    assert json.loads(call.function.arguments) == {"days": 2}
+    assert r.choices[0].message.model_extra["reasoning_content"] == "Let me look."
 
 
 # ---------------------------------------------------------------- the CLI under SIGTERM
