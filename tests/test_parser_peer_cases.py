@@ -532,6 +532,11 @@ DIFFERENCES = {
     # vLLM (tools=None) keeps an undeclared function's "204" a string; onegraph, like SGLang, reads a
     # value with no schema as JSON when it is JSON (numbers, booleans, objects stay typed).
     "untyped_value_reads_json": (FINISH_BLOCK, (None, None, [("Finish", {"answer": 204})])),
+    # The older JSON-inside-<tool_call> form (vLLM's and SGLang's hermes / qwen25 parsers) is not
+    # parsed: Qwen3.5/3.6 templates teach only the XML form, so JSON there is text about JSON.
+    "json_in_tool_call_is_text": ('<tool_call>\n{"name": "Finish", "arguments": {"answer": "204"}}\n</tool_call>',
+                                  (None, '<tool_call>\n{"name": "Finish", "arguments": {"answer": "204"}}\n'
+                                         '</tool_call>', [])),
     # A cut call: the peers only ask for no crash. onegraph already streamed the name and arguments,
     # so the call stands with the arguments seen, closed as valid JSON; the finish reason is "length".
     "cut_call_keeps_its_arguments": ("<tool_call>\n<function=Finish>\n<parameter=answer>\n20",

@@ -1,6 +1,7 @@
 """Server text machinery on scripted outputs: tool-call and reasoning parsers (complete, streamed in
 pieces of every size, malformed) and the stop-string matcher across token boundaries."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -267,6 +268,90 @@ def test_repeated_think_after_prompt_opened_it(size):
     assert run_chat("\n" + text, size, True, None)[:2] == ("I need to think about this.", "The answer is 42.")
     assert run_chat("<thinking is fun</think>ok", size, True, None)[:2] == ("<thinking is fun", "ok")
     assert run_chat("<thi", size, True, None)[:2] == ("<thi", None)
+
+
+# ---------------------------------------------------------------- the real Qwen3.5 chat template
+# tests/data/qwen3_5_chat_template.jinja: Qwen/Qwen3.5-4B's template (source in tests/data/README.md)
+QWEN_TEMPLATE = (Path(__file__).parent / "data" / "qwen3_5_chat_template.jinja").read_text()
+QWEN_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather by city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                     "opts": {"type": "object"}}, "required": ["city"]}}}]
+
+
+def qwen_call(cid, city, **more):
+    return {"id": cid, "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": city, **more})}}
+
+
+HISTORY = [   # OpenAI wire form: tool-call arguments are JSON text
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Weather in Paris and Lyon?"},
+    {"role": "assistant", "content": "Checking both.", "reasoning_content": "Two cities, two calls.",
+     "tool_calls": [qwen_call("call_1", "Paris"), qwen_call("call_2", "Lyon", days=2)]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    {"role": "tool", "tool_call_id": "call_2", "content": "rain"},
+    {"role": "assistant", "content": "Paris: sunny. Lyon: rain.", "reasoning_content": "Summarize."},
+    {"role": "user", "content": "And tomorrow in Paris, by the hour?"},
+]
+# what the model writes after the generation prompt "<|im_start|>assistant\n<think>\n"
+EMITTED = ("The user wants tomorrow, hourly.\n</think>\n\nLet me check.\n\n<tool_call>\n<function=get_weather>\n"
+           "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n1\n</parameter>\n<parameter=opts>\n"
+           '{"units": "metric", "hours": [9, 12]}\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n'
+           "<function=get_weather>\n<parameter=city>\nLyon\n</parameter>\n</function>\n</tool_call>")
+
+
+def qwen_codec():
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from onegraph.server.text import TextCodec
+    return TextCodec(Tokenizer(WordLevel({"x": 0}, unk_token="x")), QWEN_TEMPLATE, {"bos_token": "", "eos_token": ""})
+
+
+def hf_render(messages, add_generation_prompt):
+    """Oracle: transformers' own chat-template rendering (arguments as mappings, its convention)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({"x": 0}, unk_token="x")))
+    msgs = json.loads(json.dumps(messages))
+    for m in msgs:
+        for c in m.get("tool_calls") or []:
+            c["function"]["arguments"] = json.loads(c["function"]["arguments"])
+    return tok.apply_chat_template(msgs, tools=QWEN_TOOLS, chat_template=QWEN_TEMPLATE, tokenize=False,
+                                   add_generation_prompt=add_generation_prompt)
+
+
+def test_qwen_template_renders_like_transformers():
+    codec = qwen_codec()
+    prompt = codec.render_chat(HISTORY, QWEN_TOOLS, add_generation_prompt=True)
+    assert prompt == hf_render(HISTORY, True)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n")
+    assert "<tool_call>\n<function=get_weather>\n<parameter=city>\nLyon\n</parameter>\n<parameter=days>\n2\n" in prompt
+
+
+@pytest.mark.parametrize("size", [1, 5, 10_000])
+def test_parsed_turn_rerenders_to_what_the_model_emitted(size):
+    codec = qwen_codec()
+    prompt = codec.render_chat(HISTORY, QWEN_TOOLS, add_generation_prompt=True)
+    p = ChatOutputParser(prompt.rstrip().endswith("<think>"), tool_schemas(QWEN_TOOLS))
+    parts = []
+    for d in pieces(EMITTED, size):
+        parts += p.feed(d)
+    parts += p.feed("", final=True)
+    calls = []
+    for k, x in parts:
+        if k == "tool_call":
+            merge_tool_delta(calls, x)
+    turn = {"role": "assistant", "content": "".join(x for k, x in parts if k == "content"),
+            "reasoning_content": "".join(x for k, x in parts if k == "reasoning").rstrip("\n"),
+            "tool_calls": [{k: v for k, v in c.items() if k != "index"} for c in calls]}
+    assert turn["content"] == "Let me check." and turn["reasoning_content"] == "The user wants tomorrow, hourly."
+    history = HISTORY + [turn]
+    assert codec.render_chat(history, QWEN_TOOLS, add_generation_prompt=False) == prompt + EMITTED + "<|im_end|>\n"
+    # and the conversation goes on: tool results after the parsed turn render as transformers does
+    history += [{"role": "tool", "tool_call_id": calls[0]["id"], "content": "9h: 18C"},
+                {"role": "tool", "tool_call_id": calls[1]["id"], "content": "rain"}]
+    assert codec.render_chat(history, QWEN_TOOLS, add_generation_prompt=True) == hf_render(history, True)
 
 
 # ---------------------------------------------------------------- stop strings
