@@ -437,9 +437,22 @@ class ToolCallParser:
         self.pschema = self.props.get(name)
         types, self.nullable = schema_types(self.pschema)
         self.stream_str = bool(types) and types[0] == "string"   # the value will be this text verbatim
-        self.raw = ""             # value text decided so far
-        self.sent = -1            # chars of the value streamed; -1: the key is not sent yet
-        self.nest = 0             # nested literal <tool_call> blocks open inside the value
+        self.parts: list[str] = []    # value text decided so far (typed values: converted at the end)
+        self.lead = True              # the value's first newline (the template's) is still to drop
+        self.pending = ""             # string value: decided, not yet streamed (a trailing newline waits)
+        self.opened = False           # string value: key and opening quote sent
+        self.nest = 0                 # nested literal <tool_call> blocks open inside the value
+
+    def _lit(self, text: str):
+        if not text:
+            return
+        if not self.stream_str:
+            self.parts.append(text)
+            return
+        if self.lead:
+            self.lead = False
+            text = text[1:] if text.startswith("\n") else text
+        self.pending += text
 
     def _key(self) -> str:
         prefix = "{" if self.nargs == 0 else ", "
@@ -447,28 +460,30 @@ class ToolCallParser:
         return prefix + json.dumps(self.pname, ensure_ascii=False) + ": "
 
     def _stream_value(self, out):
-        """Send what is certain of a string value: all but a leading and a trailing newline (the
-        template's) and, for a nullable one, nothing while it may still read "null"/"None"."""
-        if not self.stream_str or not self.raw:
+        """Send what is certain of a string value: all but a trailing newline (the template's) and,
+        for a nullable one, nothing while it may still read "null"/"None"."""
+        if not self.stream_str:
             return
-        safe = self.raw[1:] if self.raw.startswith("\n") else self.raw
-        if safe.endswith("\n"):
-            safe = safe[:-1]
-        if self.sent < 0:
-            s = safe.strip()
-            if not safe or self.nullable and ("null".startswith(s) or "None".startswith(s)):
+        send = self.pending[:-1] if self.pending.endswith("\n") else self.pending
+        if not send:
+            return
+        if not self.opened:
+            s = send.strip()
+            if self.nullable and ("null".startswith(s) or "None".startswith(s)):
                 return
             self._args(out, self._key() + '"')
-            self.sent = 0
-        if len(safe) > self.sent:
-            self._args(out, json.dumps(safe[self.sent:], ensure_ascii=False)[1:-1])
-            self.sent = len(safe)
+            self.opened = True
+        self._args(out, json.dumps(send, ensure_ascii=False)[1:-1])
+        self.pending = self.pending[len(send):]
 
     def _end_value(self, out):
-        value = _strip_one_nl(self.raw)
-        if self.sent >= 0:
-            self._args(out, json.dumps(value[self.sent:], ensure_ascii=False)[1:-1] + '"')
-            return
+        if self.stream_str:
+            value = self.pending[:-1] if self.pending.endswith("\n") else self.pending
+            if self.opened:
+                self._args(out, json.dumps(value, ensure_ascii=False)[1:-1] + '"')
+                return
+        else:
+            value = _strip_one_nl("".join(self.parts))
         v = convert_value(value, self.pschema)
         self._args(out, self._key() + json.dumps(v, ensure_ascii=False))
 
@@ -488,42 +503,45 @@ class ToolCallParser:
             return YES
         return MORE if MORE in (c, h) and not final else NO
 
-    def _decide(self, s: str, final: bool):
-        """s starts with '<' inside a value -> ("text", n) | ("close", n) | ("next", 0) |
-        ("fn_end", n) | MORE. n: chars consumed."""
-        if any(len(s) < len(t) and t.startswith(s) for t in _TAGS):
+    def _decide(self, s: str, i: int, final: bool):
+        """s[i] is '<' inside a value -> ("text", n) | ("close", n) | ("next", 0) | ("fn_end", n) |
+        MORE. n: chars consumed from i."""
+        rest = len(s) - i
+        if rest < len(PARAM_CLOSE) and any(rest < len(t) and t.startswith(s[i:]) for t in _TAGS):
             return ("text", 1) if final else MORE
         if self.nest:
-            if s.startswith(CALL_CLOSE):
+            if s.startswith(CALL_CLOSE, i):
                 self.nest -= 1
                 return ("text", len(CALL_CLOSE))
-        elif s.startswith(PARAM_CLOSE):
-            j = _skip_ws(s, len(PARAM_CLOSE))
+        elif s.startswith(PARAM_CLOSE, i):
+            j = _skip_ws(s, i + len(PARAM_CLOSE))
             if j == len(s):
-                return ("close", j) if final else MORE
+                return ("close", j - i) if final else MORE
             p = _tag(s, j, PARAM_OPEN)
             if isinstance(p, tuple):
-                return ("close", j) if self._new_param(p[0]) else ("text", len(PARAM_CLOSE))
-            f = self._fn_end(s, j, final) if _match(s, j, FN_CLOSE) == YES else _match(s, j, FN_CLOSE)
+                return ("close", j - i) if self._new_param(p[0]) else ("text", len(PARAM_CLOSE))
+            f = _match(s, j, FN_CLOSE)
             if f == YES:
-                return ("fn_end", j + len(FN_CLOSE))
-            if MORE in (p, f):
-                return ("text", len(PARAM_CLOSE)) if final else MORE
+                f = self._fn_end(s, j, final)
+            if f == YES:
+                return ("fn_end", j + len(FN_CLOSE) - i)
+            if MORE in (p, f) and not final:
+                return MORE
             return ("text", len(PARAM_CLOSE))
-        elif s.startswith(PARAM_OPEN):
-            p = _tag(s, 0, PARAM_OPEN)
+        elif s.startswith(PARAM_OPEN, i):
+            p = _tag(s, i, PARAM_OPEN)
             if p == MORE:
                 return ("text", 1) if final else MORE
             if isinstance(p, tuple) and self._new_param(p[0]):
                 return ("next", 0)
-            return ("text", p[1] if isinstance(p, tuple) else 1)
-        elif s.startswith(FN_CLOSE):
-            f = self._fn_end(s, 0, final)
+            return ("text", p[1] - i if isinstance(p, tuple) else 1)
+        elif s.startswith(FN_CLOSE, i):
+            f = self._fn_end(s, i, final)
             if f == MORE:
                 return MORE
             return ("fn_end", len(FN_CLOSE)) if f == YES else ("text", len(FN_CLOSE))
-        if s.startswith(CALL_OPEN):             # a whole call written as text opens a nested block
-            m = _match(s, _skip_ws(s, len(CALL_OPEN)), FN_OPEN)
+        if s.startswith(CALL_OPEN, i):          # a whole call written as text opens a nested block
+            m = _match(s, _skip_ws(s, i + len(CALL_OPEN)), FN_OPEN)
             if m == MORE and not final:
                 return MORE
             self.nest += m == YES
@@ -531,28 +549,31 @@ class ToolCallParser:
         return ("text", 1)
 
     def _value(self, out, final: bool) -> bool:
+        s, i = self.buf, 0                      # scan by index: one slice per call, not per tag
         while True:
-            i = self.buf.find("<")
-            if i < 0:
-                self.raw += self.buf
-                self.buf = ""
+            j = s.find("<", i)
+            if j < 0:
+                self._lit(s[i:])
+                i = len(s)
                 if not final:
+                    self.buf = ""
                     self._stream_value(out)
                     return False
                 d = ("close", 0)
             else:
-                self.raw += self.buf[:i]
-                self.buf = self.buf[i:]
-                d = self._decide(self.buf, final)
+                self._lit(s[i:j])
+                i = j
+                d = self._decide(s, i, final)
             if d == MORE:
+                self.buf = s[i:]
                 self._stream_value(out)
                 return False
             kind, n = d
             if kind == "text":
-                self.raw += self.buf[:n]
-                self.buf = self.buf[n:]
+                self._lit(s[i:i + n])
+                i += n
                 continue
-            self.buf = self.buf[n:]
+            self.buf = s[i + n:]
             self._stream_value(out)
             self._end_value(out)
             self.mode = AFTER_FN if kind == "fn_end" else BODY
