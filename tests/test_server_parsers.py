@@ -1,5 +1,7 @@
 """Server text machinery on scripted outputs: tool-call and reasoning parsers (complete, streamed in
-pieces of every size, malformed) and the stop-string matcher across token boundaries."""
+pieces of every size, malformed, cut, calls inside <think>), the real Qwen3.5 chat template (server
+render vs transformers', parsed turn re-rendered) and the stop-string matcher across token
+boundaries. The peers' own parser cases are in test_parser_peer_cases.py."""
 import json
 from pathlib import Path
 
