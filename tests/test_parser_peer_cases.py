@@ -204,11 +204,13 @@ WRITE_TOOLS = tools_of(write_file={"path": {"type": "string"}, "content": {"type
 
 XML_TAGS_IN_CONTENT = ('char_deltas = [\n    "<tool_call>\\n",\n    "<parameter=query>\\n",\n'
                        '    "\\n</parameter>\\n",\n    "</function>\\n",\n]\n')
-PARAM_LIKE_LINES = 'TOOL_CALL_TEMPLATE = """\n</parameter>\n<parameter=new_string>\n#!/usr/bin/env python3\n</parameter>\n"""\n'
+PARAM_LIKE_LINES = ('TOOL_CALL_TEMPLATE = """\n</parameter>\n<parameter=new_string>\n#!/usr/bin/env python3\n'
+                    '</parameter>\n"""\n')
 REAL_PARAM_NAME_LITERAL = 'doc = """\n<parameter=path>\nliteral/value\n</parameter>\n"""\n'
 FULL_NESTED_CALL = ('doc = """\n<tool_call>\n<function=write_file>\n<parameter=path>\nliteral/value.txt\n'
                     '</parameter>\n<parameter=content>\nhello\n</parameter>\n</function>\n</tool_call>\n"""\n')
-OUT_OF_SCHEMA_NESTED = 'template = """\n<tool_call>\n<function=foo>\n<parameter=bar>baz</parameter>\n</function>\n</tool_call>\n"""\n'
+OUT_OF_SCHEMA_NESTED = ('template = """\n<tool_call>\n<function=foo>\n<parameter=bar>baz</parameter>\n'
+                        '</function>\n</tool_call>\n"""\n')
 
 
 def write_file(path, content, tail="\n"):
@@ -270,7 +272,8 @@ VLLM_STRUCTURE = {
         JINJA_PHANTOM + "\n\n" + write_file("out.txt", "hello\n", ""), JINJA_PHANTOM,
         [("write_file", {"path": "out.txt", "content": "hello"})], None),
     "inline_empty_tool_call_preserves_content_before_real_call": (
-        INLINE_EMPTY_TEXT + "\n<tool_call>\n<function=log>\n<parameter=msg>\nhi\n</parameter>\n</function>\n</tool_call>",
+        INLINE_EMPTY_TEXT + "\n<tool_call>\n<function=log>\n<parameter=msg>\nhi\n</parameter>\n</function>\n"
+        "</tool_call>",
         INLINE_EMPTY_TEXT, [("log", {"msg": "hi"})], None),
 }
 
@@ -406,7 +409,8 @@ SGL_BARE = {
     "complex_schema": (
         "Text prefix + complex schema tool call test\n\n<function=TodoWrite>\n<parameter=todos>\n[\n"
         " {\"content\": \"Buy a new car\", \"status\": 'pending'},\n {\"content\": \"Buy a new house\", "
-        "\"status\": \"completed\"}\n]\n</parameter>\n</function>\n\n", "Text prefix + complex schema tool call test\n\n",
+        "\"status\": \"completed\"}\n]\n</parameter>\n</function>\n\n",
+        "Text prefix + complex schema tool call test\n\n",
         [("TodoWrite", {"todos": [{"content": "Buy a new car", "status": "pending"},
                                   {"content": "Buy a new house", "status": "completed"}]})]),
 }
@@ -424,12 +428,14 @@ def test_sglang_cases_wrapped(name):
 # the prompt opened <think> (Qwen3.5/3.6 templates do): in_think=True here. The peer keeps the
 # newlines next to the tags in the reasoning; onegraph drops those the template writes around
 # them, so reasoning is compared without newlines at its ends.
-TOOL_CALL_BODY = "<tool_call>\n<function=bash>\n<parameter=command>\ncat /etc/hosts\n</parameter>\n</function>\n</tool_call>"
+TOOL_CALL_BODY = ("<tool_call>\n<function=bash>\n<parameter=command>\ncat /etc/hosts\n</parameter>\n</function>\n"
+                  "</tool_call>")
 BASH_TOOLS = tools_of(bash={"command": {"type": "string"}})
 QWEN3_REASONING = {
     "without_start_token": ("This is a reasoning section</think>This is the rest", "This is a reasoning section",
                             "This is the rest"),
-    "without_start_token_complete_reasoning": ("This is a reasoning section</think>", "This is a reasoning section", None),
+    "without_start_token_complete_reasoning": ("This is a reasoning section</think>", "This is a reasoning section",
+                                               None),
     "with_think": ("<think>This is a reasoning section</think>This is the rest", "This is a reasoning section",
                    "This is the rest"),
     "without_think": ("This is the rest", "This is the rest", None),

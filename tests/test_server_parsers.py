@@ -39,7 +39,8 @@ def stream_tools(text, size, tools=WEATHER_TOOLS):
     calls = []
     for k, x in parts:
         if k == "tool_call":
-            assert set(x) == ({"index", "id", "type", "function"} if x["index"] == len(calls) else {"index", "function"})
+            first = x["index"] == len(calls)
+            assert set(x) == ({"index", "id", "type", "function"} if first else {"index", "function"})
             merge_tool_delta(calls, x)
     return content or None, calls
 
@@ -102,7 +103,8 @@ def test_cut_or_loose_calls(text, args):
     for size in (1, 3, 1000):
         content, calls = stream_tools(text, size)
         assert content == "before"
-        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("get_weather", args)]
+        got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+        assert got == [("get_weather", args)]
 
 
 def test_untyped_parameters_and_text_after_call():
@@ -184,7 +186,8 @@ def test_reasoning_then_tool_call():
 WRITE_TOOLS = tool_schemas([{"type": "function", "function": {"name": "write_file", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"},
                                      "mode": {"type": "integer"}}}}}])
-BODY = 'line one\n  "quoted" \\ back\n</parameter> not a close\n<tool_call>\n<function=x>\n</function>\n</tool_call>\nend'
+BODY = ('line one\n  "quoted" \\ back\n</parameter> not a close\n'
+        '<tool_call>\n<function=x>\n</function>\n</tool_call>\nend')
 LONG = ("I'll write it.\n<tool_call>\n<function=write_file>\n<parameter=path>\n/tmp/a.py\n</parameter>\n"
         f"<parameter=content>\n{BODY}\n</parameter>\n<parameter=mode>\n644\n</parameter>\n</function>\n</tool_call>")
 
