@@ -1,13 +1,14 @@
 """Triton lowering of fused_moe (contract: custom_ops/fused_moe.py), built for decode (T = 1..64).
 
-Router: the logits by the projection GEMV at decode sizes (custom_ops/triton/linear.py: 1.8 us for the
-35B router's 1 MB where cuBLAS took 5 us; fp32 sums in another order than the reference's cuBLAS GEMM,
-rounded to x.dtype the same way), by aten above that, then `_route_kernel`, one program per token: fp32 softmax, top-k, renormalise, cast -> w [T, k] x.dtype,
-idx [T, k] int64. It replaces aten's softmax + topk (gatherTopK + bitonicSortKV) + sum + div + cast:
-the topk alone took 0.39 of the 35B bs1 step's 4.26 ms on the H200 (benchmarks/h200_35b_bs1.json).
+Router: the logits [T, E] by the projection GEMV at decode sizes (custom_ops/triton/linear.py: 1.8 us
+for the 35B router's 1 MB where cuBLAS took 5 us; fp32 sums in another order than the reference's
+GEMM, rounded to x.dtype the same way). Routing (`_route_row`: fp32 softmax, top-k, renormalise) is
+recomputed by every program of both kernels from those 256 logits (a 512-byte L2 read and k max-scans):
+that is cheaper than its own kernel launch (3.6 us per layer at the 35B bs1 step on the H200, where
+aten's topk alone had taken 0.39 of a 4.26 ms step). The prefill path runs it once, as `_route_kernel`.
 Ties matter: the 35B random router's 8th and 9th bf16 logits are equal in 8 % of layer-tokens (H200,
 8 bs8 eager steps). CUDA torch.topk keeps the lowest indices among values equal to the k-th (H200:
-2000 of 2000 tied rows), and so does this kernel (it takes the largest logit, lowest index first, k
+2000 of 2000 tied rows), and so does `_route_row` (it takes the largest logit, lowest index first, k
 times); softmax is monotone, so selecting on logits is selecting on probabilities. Only the order of
 equal values within the k can differ from torch's (its bitonic sort is not stable); kernel 2 sums the
 k bf16 products in fp32, which is exact, and in any order, unless their exponents span over 16 bits.
@@ -15,7 +16,8 @@ Kernel 1 (SwiGLU), grid (T*k + T, cdiv(max(I, Is), BI)): program p < T*k takes p
 computes act[p, tile] = silu(x[t] . gate_up[idx, tile]) * (x[t] . gate_up[idx, I + tile]) reading
 only that expert's rows; programs p >= T*k do the shared expert of token p - T*k.
 Kernel 2 (down + combine), grid (T, cdiv(H, BH)): y[t, tile] = sum_j w[t,j] down[idx[t,j], tile] . act
-+ sigmoid(x[t] . shared_gate_w) shared_down[tile] . act_shared.
++ sigmoid(x[t] . shared_gate_w) shared_down[tile] . act_shared; the k experts' tiles are loaded side by
+side ([k, BH, BI]) so a program keeps k loads in flight instead of walking the experts one by one.
 Programs are launched pairs-fastest (kernel 1) and tokens-fastest (kernel 2), so the programs that
 read one expert's tile run together and share it through L2: DRAM traffic ~ distinct experts.
 Numerics: fp32 accumulation; the reference's roundings to x.dtype (gate_up product, silu, act,
@@ -39,16 +41,18 @@ from ._common import launch, next_pow2, rnd, to_dt
 
 
 @triton.jit
-def _route_kernel(logits, w, idx, s_l_t, E: tl.constexpr, BE: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
-    """Token t: logits [E] (x.dtype) -> w[t, :K] = top-K softmax probabilities / their sum (x.dtype),
-    idx[t, :K] = their experts, by logit descending, lowest index first among equal logits."""
-    t = tl.program_id(0)
-    DT: tl.constexpr = w.dtype.element_ty
+def _route_row(logits, t, s_l_t, E: tl.constexpr, BE: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+               WEIGHTS: tl.constexpr = True):
+    """Token t's logits [E] (x.dtype) -> (w [BK] fp32: the top-K softmax probabilities / their sum,
+    idx [BK] int64: their experts, by logit descending, lowest index first among equal logits; lanes
+    >= K are 0). WEIGHTS=False: only idx (w is 0): the SwiGLU kernel needs no weights, and every block
+    reduction it skips is latency before its first weight load."""
     offs = tl.arange(0, BE)
     m = offs < E
     lg = tl.load(logits + t * s_l_t + offs, mask=m, other=float("-inf")).to(tl.float32)
-    e = tl.where(m, tl.exp(lg - tl.max(lg, axis=0)), 0.0)
-    p = e / tl.sum(e, axis=0)                       # the reference's fp32 softmax
+    if WEIGHTS:
+        e = tl.where(m, tl.exp(lg - tl.max(lg, axis=0)), 0.0)
+        p = e / tl.sum(e, axis=0)                   # the reference's fp32 softmax
     ks = tl.arange(0, BK)
     top_p = tl.zeros([BK], tl.float32)
     top_i = tl.zeros([BK], tl.int64)
@@ -57,11 +61,23 @@ def _route_kernel(logits, w, idx, s_l_t, E: tl.constexpr, BE: tl.constexpr, K: t
         best = tl.max(cur, axis=0)
         i = tl.min(tl.where(cur == best, offs, BE), axis=0)         # lowest index among the largest
         i = tl.minimum(i, E - 1)           # NaN logits match nothing: stay in bounds, the weights carry the NaN
-        top_p = tl.where(ks == j, tl.sum(tl.where(offs == i, p, 0.0), axis=0), top_p)
+        if WEIGHTS:
+            top_p = tl.where(ks == j, tl.sum(tl.where(offs == i, p, 0.0), axis=0), top_p)
         top_i = tl.where(ks == j, i.to(tl.int64), top_i)
         cur = tl.where(offs == i, float("-inf"), cur)
+    if WEIGHTS:
+        top_p = top_p / tl.sum(top_p, axis=0)
+    return top_p, top_i
+
+
+@triton.jit
+def _route_kernel(logits, w, idx, s_l_t, E: tl.constexpr, BE: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """Token t: w[t, :K] (x.dtype), idx[t, :K] = _route_row (the prefill path's routing)."""
+    t = tl.program_id(0)
+    top_w, top_i = _route_row(logits, t, s_l_t, E, BE, K, BK)
+    ks = tl.arange(0, BK)
     mk = ks < K
-    tl.store(w + t * K + ks, to_dt(top_p / tl.sum(top_p, axis=0), DT), mask=mk)
+    tl.store(w + t * K + ks, to_dt(top_w, w.dtype.element_ty), mask=mk)
     tl.store(idx + t * K + ks, top_i, mask=mk)
 
 
@@ -98,17 +114,18 @@ def _swiglu_rows(x_row, sx_h, wg, sg_r, sg_h, wu, su_r, su_h, rows, mrow, H: tl.
 
 
 @triton.jit
-def _moe_swiglu_kernel(x, idx, gate_up, sh_gate, sh_up, act, act_sh,
-                       s_x_t, s_x_h, s_gu_e, s_gu_r, s_gu_h, s_sg_r, s_sg_h, s_su_r, s_su_h,
-                       P, H: tl.constexpr, I: tl.constexpr, Is: tl.constexpr,
-                       TOPK: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr):
+def _moe_swiglu_kernel(x, logits, gate_up, sh_gate, sh_up, act, act_sh,
+                       s_x_t, s_x_h, s_l_t, s_gu_e, s_gu_r, s_gu_h, s_sg_r, s_sg_h, s_su_r, s_su_h,
+                       P, H: tl.constexpr, I: tl.constexpr, Is: tl.constexpr, E: tl.constexpr, BE: tl.constexpr,
+                       TOPK: tl.constexpr, BKK: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr):
     pid = tl.program_id(0)
     it = tl.program_id(1)
     DT: tl.constexpr = x.dtype.element_ty
     rows = it * BI + tl.arange(0, BI)
     if pid < P:                                   # routed pair p = t*k + j
         t = pid // TOPK
-        e = tl.load(idx + pid)                    # int64: 64-bit weight offsets
+        _, top_i = _route_row(logits, t, s_l_t, E, BE, TOPK, BKK, False)   # each program routes its token itself
+        e = tl.sum(tl.where(tl.arange(0, BKK) == pid - t * TOPK, top_i, 0), axis=0)   # int64 weight offsets
         mrow = rows < I
         w_e = gate_up + e * s_gu_e
         a = _swiglu_rows(x + t * s_x_t, s_x_h, w_e, s_gu_r, s_gu_h, w_e + I * s_gu_r, s_gu_r, s_gu_h,
@@ -123,10 +140,10 @@ def _moe_swiglu_kernel(x, idx, gate_up, sh_gate, sh_up, act, act_sh,
 
 
 @triton.jit
-def _moe_down_kernel(x, idx, wts, down, sh_down, sh_gate_w, act, act_sh, y,
-                     s_x_t, s_x_h, s_d_e, s_d_h, s_d_i, s_sd_h, s_sd_i, s_sgw_h, s_y_t, s_y_h,
-                     H: tl.constexpr, I: tl.constexpr, Is: tl.constexpr,
-                     TOPK: tl.constexpr, BH: tl.constexpr, BI: tl.constexpr, BG: tl.constexpr):
+def _moe_down_kernel(x, logits, down, sh_down, sh_gate_w, act, act_sh, y,
+                     s_x_t, s_x_h, s_l_t, s_d_e, s_d_h, s_d_i, s_sd_h, s_sd_i, s_sgw_h, s_y_t, s_y_h,
+                     H: tl.constexpr, I: tl.constexpr, Is: tl.constexpr, E: tl.constexpr, BE: tl.constexpr,
+                     TOPK: tl.constexpr, BKK: tl.constexpr, BH: tl.constexpr, BI: tl.constexpr, BG: tl.constexpr):
     t = tl.program_id(0)
     ih = tl.program_id(1)
     DT: tl.constexpr = x.dtype.element_ty
@@ -134,21 +151,24 @@ def _moe_down_kernel(x, idx, wts, down, sh_down, sh_gate_w, act, act_sh, y,
     rows = ih * BH + tl.arange(0, BH)
     mrow = rows < H
 
-    routed = tl.zeros([BH], tl.float32)
-    for j in tl.static_range(TOPK):
-        p = t * TOPK + j
-        e = tl.load(idx + p)
-        wt = tl.load(wts + p).to(tl.float32)
-        acc = tl.zeros([BH, BI], tl.float32)
-        for i0 in range(0, I, BI):
-            offs_i = i0 + tl.arange(0, BI)
-            mi = offs_i < I
-            av = tl.load(act + p * I + offs_i, mask=mi, other=0.0).to(tl.float32)
-            dw = tl.load(down + e * s_d_e + rows[:, None] * s_d_h + offs_i[None, :] * s_d_i,
-                         mask=mrow[:, None] & mi[None, :], other=0.0)
-            acc += dw.to(tl.float32) * av[None, :]
-        routed += rnd(rnd(tl.sum(acc, axis=1), RT) * wt, RT)                 # (y * w) in RT
-    routed = rnd(routed, RT)                                                 # .sum(1) in RT
+    # the k experts side by side: one [BKK, BH, BI] tile of down per step keeps k times the bytes in flight
+    top_w, top_i = _route_row(logits, t, s_l_t, E, BE, TOPK, BKK)      # [BKK] fp32, int64 (lanes >= k: 0)
+    ks = tl.arange(0, BKK)
+    mk = ks < TOPK
+    wt = rnd(top_w, DT)                              # the reference's weights are cast to x.dtype
+    acc = tl.zeros([BKK, BH, BI], tl.float32)
+    for i0 in range(0, I, BI):
+        offs_i = i0 + tl.arange(0, BI)
+        mi = offs_i < I
+        av = tl.load(act + (t * TOPK + ks)[:, None] * I + offs_i[None, :], mask=mk[:, None] & mi[None, :],
+                     other=0.0).to(tl.float32)                                           # [BKK, BI]
+        dw = tl.load(down + top_i[:, None, None] * s_d_e + rows[None, :, None] * s_d_h + offs_i[None, None, :] * s_d_i,
+                     mask=mk[:, None, None] & mrow[None, :, None] & mi[None, None, :], other=0.0)
+        acc += dw.to(tl.float32) * av[:, None, :]
+    contrib = rnd(rnd(tl.sum(acc, axis=2), RT) * wt[:, None], RT)              # (y * w) in RT, [BKK, BH]
+    # .sum(1) in RT: k values already rounded to RT, added in fp32 (exact for bf16 unless their
+    # exponents span more than 16 bits, so the order, a tree here, does not matter)
+    routed = rnd(tl.sum(contrib, axis=0), RT)
 
     acc = tl.zeros([BH, BI], tl.float32)
     for i0 in range(0, Is, BI):
@@ -188,28 +208,29 @@ def fused_moe_triton(x: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Ten
     T, H = x.shape
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
     Is = shared_gate.shape[0]
-    w, idx = route_triton(x, router_w, top_k)                               # [T, k] x.dtype, int64
     if T * top_k > E:     # static at trace time: the reference's prefill branch, as a grouped GEMM
+        w, idx = route_triton(x, router_w, top_k)                           # [T, k] x.dtype, int64
         # this module's `launch` is passed on so that compile_check (which replaces it) records these too
         return fused_moe_prefill.fused_moe_prefill(x, w, idx, gate_up, down, shared_gate, shared_up,
                                                    shared_down, shared_gate_w, out_dtype, launch=launch)
-    w, idx = w.contiguous(), idx.contiguous()
+    logits = project(x, router_w)          # [T, E] x.dtype; both kernels route from it (no route kernel)
     P = T * top_k
     act = torch.empty((P, I), dtype=x.dtype, device=x.device)
     act_sh = torch.empty((T, Is), dtype=x.dtype, device=x.device)
     y = torch.empty((T, H), dtype=out_dtype, device=x.device)
     BI = min(BI1, next_pow2(max(I, Is)))
     BH = min(BH1, next_pow2(H))
+    route = dict(E=E, BE=next_pow2(E), TOPK=top_k, BKK=next_pow2(top_k))
     launch(_moe_swiglu_kernel, (P + T, triton.cdiv(max(I, Is), BI)),
-           x, idx, gate_up, shared_gate, shared_up, act, act_sh,
-           *x.stride(), *gate_up.stride(), *shared_gate.stride(), *shared_up.stride(),
-           P, H=H, I=I, Is=Is, TOPK=top_k, BI=BI, BH=BH, num_warps=W1)
+           x, logits, gate_up, shared_gate, shared_up, act, act_sh,
+           *x.stride(), logits.stride(0), *gate_up.stride(), *shared_gate.stride(), *shared_up.stride(),
+           P, H=H, I=I, Is=Is, BI=BI, BH=BH, num_warps=W1, **route)
     BHo = min(BH2, next_pow2(H))
     BIo = min(BI2, next_pow2(max(I, Is)))
     launch(_moe_down_kernel, (T, triton.cdiv(H, BHo)),
-           x, idx, w, down, shared_down, shared_gate_w, act, act_sh, y,
-           *x.stride(), *down.stride(), *shared_down.stride(), shared_gate_w.stride(1), *y.stride(),
-           H=H, I=I, Is=Is, TOPK=top_k, BH=BHo, BI=BIo, BG=min(1024, next_pow2(H)), num_warps=W2)
+           x, logits, down, shared_down, shared_gate_w, act, act_sh, y,
+           *x.stride(), logits.stride(0), *down.stride(), *shared_down.stride(), shared_gate_w.stride(1), *y.stride(),
+           H=H, I=I, Is=Is, BH=BHo, BI=BIo, BG=min(1024, next_pow2(H)), num_warps=W2, **route)
     return y
 
 
