@@ -191,12 +191,12 @@ def _moe_down_kernel(x, logits, down, sh_down, sh_gate_w, act, act_sh, y,
     tl.store(y + t * s_y_t + rows * s_y_h, to_dt(res, RT), mask=mrow)
 
 
-# Tile sizes and warps: kernel 1 reads [BI1, BH1] tiles of gate and of up per step, kernel 2 [BH2, BI2]
-# tiles of down per selected expert. Picked by `python -m onegraph.tools.tune_moe --batches 1` on the H200
-# (35B shape, B=1): swiglu 52.0 -> 49.1 us with (8, 256, 8), down 52.0 -> 48.0 us with (4, 256, 4)
-# (benchmarks/h200_moe_tiles.json; the small row tiles give more programs per SM at B=1).
-BI1, BH1, W1 = 8, 256, 8
-BH2, BI2, W2 = 4, 256, 4
+# Tile sizes and warps: kernel 1 reads [BI1, BH1] tiles of gate and of up per step, kernel 2 [k, BH2, BI2]
+# tiles of down. Picked by `python -m onegraph.tools.tune_moe --batches 1 --copies 6` on the H200 (35B shape,
+# B = 1, each call on its own weights: benchmarks/h200_moe_tiles.json): the whole op (router GEMV + both
+# kernels) 40.0 us with swiglu (4, 256, 4), 28.9 us with down (4, 256, 2) (down (4, 256, 4): 40.0 us).
+BI1, BH1, W1 = 4, 256, 4
+BH2, BI2, W2 = 4, 256, 2
 
 
 @triton_op("onegraph::fused_moe_triton", mutates_args=())
