@@ -20,25 +20,9 @@ import torch
 
 
 def time_copies(fn, cases, reps: int = 10) -> float:
-    """µs per call: one call per case in one CUDA graph, replayed `reps` times."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for c in cases[:2]:
-            fn(*c)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in cases:
-            fn(*c)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * len(cases))
+    """µs per call: one call per case, all captured in one CUDA graph, replayed `reps` times."""
+    from onegraph.tools.bench_ops import time_graph
+    return time_graph(lambda: [fn(*c) for c in cases], (), 1, reps, 1) / len(cases)
 
 
 def main(argv=None) -> int:
