@@ -14,6 +14,7 @@ from .gdn_decode_step import gdn_decode_step  # noqa: F401
 from .gdn_prefill import gdn_prefill  # noqa: F401
 from .linear import linear  # noqa: F401
 from .linear_f32 import linear_f32  # noqa: F401
+from .linear_fp8 import linear_fp8  # noqa: F401
 from .rms_norm import rms_norm  # noqa: F401
 from .rope import rope  # noqa: F401
 from .sample import sample  # noqa: F401

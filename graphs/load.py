@@ -8,12 +8,13 @@ from pathlib import Path
 
 import torch
 
+from . import quant as quantfmt
 from .config import ModelConfig
 from .fuse import fuse_projections
 from .mtp import attach_mtp
 from .qwen3_5 import Qwen35Model
 from .tp import check_divisible, shard_state_dict
-from .weights import Census, LoadError, census, check_quantization, load_into
+from .weights import Census, LoadError, census, check_quantization, fp8_weights, load_into
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -45,10 +46,14 @@ def model_dir(spec: str | Path) -> Path:
 
 def read_config(path: Path) -> ModelConfig:
     """config.json -> ModelConfig, after refusing a quantization the loader cannot dequantize."""
-    file = path / "config.json"
-    if file.is_file():
-        check_quantization(json.loads(file.read_text()))
+    quant_method(path)
     return ModelConfig.from_file(path)
+
+
+def quant_method(path: Path) -> str | None:
+    """The checkpoint's quantization_config quant_method (None: unquantized); LoadError if unsupported."""
+    file = path / "config.json"
+    return check_quantization(json.loads(file.read_text())) if file.is_file() else None
 
 
 def meta_model(cfg: ModelConfig, fp32_reduce: bool = False) -> Qwen35Model:
@@ -64,7 +69,7 @@ def check_checkpoint(spec: str | Path) -> tuple[ModelConfig, Census]:
     path = model_dir(spec)
     cfg = read_config(path)
     params = dict(meta_model(cfg).named_parameters())
-    return cfg, census(path, params, tied_lm_head="lm_head.weight" not in params)
+    return cfg, census(path, params, tied_lm_head="lm_head.weight" not in params, quant_method=quant_method(path))
 
 
 def describe_checkpoint(spec: str | Path) -> tuple[str, LoadError | None]:
@@ -75,13 +80,13 @@ def describe_checkpoint(spec: str | Path) -> tuple[str, LoadError | None]:
     text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
     quant = hf.get("quantization_config") or text.get("quantization_config")
     try:
-        check_quantization(hf)
+        method = check_quantization(hf)
         refusal = None
     except LoadError as e:
-        refusal = e
+        method, refusal = None, e
     cfg = ModelConfig.from_file(path)
     params = dict(meta_model(cfg).named_parameters())
-    c = census(path, params, tied_lm_head="lm_head.weight" not in params)
+    c = census(path, params, tied_lm_head="lm_head.weight" not in params, quant_method=method)
     lines = [f"checkpoint {path}",
              f"model: {cfg.model_type} layers={cfg.num_layers} hidden={cfg.hidden_size} vocab={cfg.vocab_size} "
              f"experts={cfg.num_experts} tied={cfg.tie_word_embeddings}",
@@ -97,25 +102,44 @@ def describe_checkpoint(spec: str | Path) -> tuple[str, LoadError | None]:
 
 def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
                tp: int = 1, rank: int = 0, group=None, fp32_reduce: bool = False, allow_unused: bool = False,
-               fuse: bool = True, mtp: bool = False):
+               fuse: bool = True, mtp: bool = False, quant: str | None = None):
     """-> (cfg, model, checkpoint dir). tp > 1: rank `rank`'s shard (graphs/tp.py), whose collectives
     run over `group` (None: the default process group). fp32_reduce: Qwen35Model's option.
     fuse: concatenate the same-input projections (graphs/fuse.py) after sharding; False only for a
     caller that shards the TP-1 model itself (export) and fuses each rank afterwards.
     allow_unused: load even if the checkpoint holds tensors the model does not consume (logged);
-    without it they are refused (graphs/weights.py), as is any quantization_config.
+    without it they are refused (graphs/weights.py), as is a quantization_config it cannot read.
     mtp: also load the checkpoint's MTP head (`mtp.*`) as `model.mtp` (graphs/mtp.py; TP-1 only, never
-    exported); without it those keys are skipped."""
+    exported); without it those keys are skipped.
+    quant (graphs/quant.py): the weight format of the dense projections. None: as the checkpoint (an FP8
+    checkpoint's e4m3 projections stay FP8, its other e4m3 weights are dequantized); "none": every
+    weight in `dtype` (an FP8 checkpoint dequantized); "fp8": FP8 — a float checkpoint's projections are
+    quantized (block 128x128 e4m3), an FP8 checkpoint's kept as they are."""
     path = model_dir(spec)
     cfg = read_config(path)
+    method = quant_method(path)
+    if quant not in (None, *quantfmt.QUANT_CHOICES):
+        raise ValueError(f"quant must be one of {list(quantfmt.QUANT_CHOICES)}, got {quant!r}")
+    fp8 = quant == quantfmt.METHOD or (method == quantfmt.METHOD and quant != "none")
     if tp != 1:
         check_divisible(cfg, tp)                     # fail before reading any weights
+        if fp8:
+            raise ValueError("FP8 weights with tp > 1 are not supported yet (the head split does not follow the "
+                             "128-row scale blocks); load with quant='none' (dequantized) or tp=1")
     model = meta_model(cfg, fp32_reduce)
     if mtp:
         attach_mtp(model, path, tp)
+    if fp8 and method == quantfmt.METHOD:            # the checkpoint's e4m3 projections load as FP8 parameters
+        held = fp8_weights(path)
+        for name, mod in model.named_modules():
+            if quantfmt.is_fp8_module(name) and f"{name}.weight" in held:
+                quantfmt.make_fp8(mod)
     model.to_empty(device="cpu")
     model.inv_freq.copy_(Qwen35Model.rope_inv_freq(cfg))
-    load_into(model, path, resolve_dtype(dtype), allow_unused)
+    load_into(model, path, resolve_dtype(dtype), allow_unused, quant_method=method)
+    if quant == quantfmt.METHOD and method != quantfmt.METHOD:
+        n = quantfmt.quantize_model(model)
+        quantfmt.log.info("quantized %d dense projections to FP8 (e4m3, 128x128 block scales)", n)
     if tp != 1:
         model = shard_model(model, rank, tp, group)
     if fuse:

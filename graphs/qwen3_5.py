@@ -71,10 +71,17 @@ def new_state(cfg: ModelConfig, slots: int, max_seq_len: int, dtype: torch.dtype
 
 
 class Linear(nn.Linear):
-    """A projection through onegraph::linear (a GEMV at decode sizes on CUDA). x [N, in] -> [N, out]."""
+    """A projection through onegraph::linear (a GEMV at decode sizes on CUDA). x [N, in] -> [N, out].
+    FP8 (graphs/quant.py make_fp8): weight [out, in] float8_e4m3fn and weight_scale_inv
+    [ceil(out/128), ceil(in/128)] fp32, through onegraph::linear_fp8 (weight-only: x stays as it is)."""
 
     def forward(self, x):
-        y = ops.linear(x, self.weight)
+        if self.weight.dtype == torch.float8_e4m3fn:
+            # RowLinear's fp32_out: an fp32 x makes the op return its fp32 accumulation unrounded
+            x = x.float() if getattr(self, "fp32_out", False) else x
+            y = ops.linear_fp8(x, self.weight, self.weight_scale_inv)
+        else:
+            y = ops.linear(x, self.weight)
         return y if self.bias is None else y + self.bias
 
 
@@ -91,7 +98,7 @@ class RowLinear(Linear):
         self.fp32_out = fp32_out
 
     def forward(self, x):
-        if not self.fp32_out:
+        if not self.fp32_out or self.weight.dtype == torch.float8_e4m3fn:    # FP8: Linear handles fp32_out
             return super().forward(x)
         y = ops.linear_f32(x, self.weight)
         return y if self.bias is None else y + self.bias.float()

@@ -5,11 +5,17 @@ Handles: single file or sharded (`model.safetensors.index.json`); key prefixes
 (`mlp.experts.E.{gate,up,down}_proj.weight`, fused here) or already fused (`gate_up_proj`,
 `down_proj`). A missing tensor or a shape mismatch raises LoadError naming the key and both shapes.
 
+Quantized checkpoints: `quant_method: fp8` (graphs/quant.py has the format): each e4m3 `X.weight` comes
+with its `X.weight_scale_inv` block scales; an FP8 parameter (a projection the model runs as FP8) takes
+both as they are, a float parameter takes the weight dequantized at load (quant.dequantize_unheld).
+
 Refused before any weight is read (from config.json and the safetensors headers only), because each
 would otherwise run and answer wrongly:
-- a `quantization_config` whose `quant_method` is not in SUPPORTED_QUANT_METHODS;
-- a tensor that reaches a float parameter with a dtype outside FLOAT_DTYPES (float8, int8, packed
-  int32, ...): a plain cast would drop its scales;
+- a `quantization_config` whose `quant_method` is not in SUPPORTED_QUANT_METHODS, or an fp8 one with
+  another block size, format or a static activation scheme;
+- a tensor that reaches a float parameter with a dtype outside FLOAT_DTYPES (float8 outside an fp8
+  checkpoint, int8, packed int32, ...): a plain cast would drop its scales; an e4m3 weight without its
+  `weight_scale_inv`;
 - a tensor no parameter consumes (`*.weight_scale_inv`, `qzeros`, a stray key), unless it belongs to
   a SKIP_FAMILIES family the model has no parameters for (vision tower, MTP head: skipped with a
   logged count), or `allow_unused` is set (ignored with a logged count and examples).
@@ -26,9 +32,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from . import quant
+
 log = logging.getLogger("onegraph.weights")
 # quant_method values (config.json `quantization_config`) this loader has a dequantization rule for
-SUPPORTED_QUANT_METHODS: tuple[str, ...] = ()
+SUPPORTED_QUANT_METHODS: tuple[str, ...] = (quant.METHOD,)
 # safetensors header dtypes a float parameter takes by a plain cast
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 # torch names of safetensors dtypes, for messages
@@ -50,9 +58,11 @@ def dtype_name(st_dtype: str) -> str:
     return DTYPE_NAMES.get(st_dtype, st_dtype)
 
 
-def check_quantization(hf: dict) -> None:
-    """A `quantization_config` (top level or in `text_config`) with an unsupported quant_method -> LoadError."""
+def check_quantization(hf: dict) -> str | None:
+    """A `quantization_config` (top level or in `text_config`) with an unsupported quant_method (or fp8
+    fields the loader does not read exactly) -> LoadError; else its quant_method (None: unquantized)."""
     text = hf.get("text_config")
+    found = None
     for where, c in (("config.json", hf), ("config.json text_config", text if isinstance(text, dict) else {})):
         q = c.get("quantization_config")
         if q is None:
@@ -63,6 +73,12 @@ def check_quantization(hf: dict) -> None:
                          else "unquantized float checkpoints only (F32/F16/BF16)")
             raise LoadError(f"{where} has a quantization_config with quant_method={method!r}, which the loader "
                             f"cannot dequantize; supported: {supported}")
+        try:
+            quant.check_config(q, where)
+        except quant.QuantError as e:
+            raise LoadError(str(e)) from None
+        found = method
+    return found
 
 
 def _files(path: Path) -> list[Path]:
@@ -105,9 +121,14 @@ class Census:
     skipped: dict[str, list[str]]                # family -> checkpoint keys
     unused: list[str]                            # checkpoint keys nothing consumes
     bad_dtype: list[tuple[str, str, str]]        # (checkpoint key, dtype, parameter) a plain cast would get wrong
+    no_scale: list[str] = dataclasses.field(default_factory=list)   # e4m3 weights without their weight_scale_inv
 
     def check(self, allow_unused: bool = False) -> None:
         """Raise LoadError for what cannot load."""
+        if self.no_scale:
+            raise LoadError(f"tensor {self.no_scale[0]!r} is float8_e4m3fn but the checkpoint has no "
+                            f"{self.no_scale[0][:-len('weight')]}{quant.SCALE} ({len(self.no_scale)} such tensors "
+                            f"in {self.path})")
         if self.bad_dtype:
             key, dt, param = self.bad_dtype[0]
             raise LoadError(f"tensor {key!r} has dtype {dtype_name(dt)} but parameter {param!r} is float and the "
@@ -138,30 +159,58 @@ class Census:
         return "\n".join(lines)
 
 
-def census(path: str | Path, params: dict[str, torch.nn.Parameter], tied_lm_head: bool) -> Census:
-    """Sort every checkpoint tensor against `params` (the model's named_parameters) from the headers only.
-    tied_lm_head: the model reads embed_tokens as lm_head, so a checkpoint's lm_head.weight is not needed."""
-    path = Path(path)
-    c = Census(path, {}, {}, {}, {}, [], [])
-    for f in _files(path):
+FP8_ST = "F8_E4M3"
+
+
+def header_dtypes(path: str | Path) -> tuple[dict[str, Path], dict[str, str]]:
+    """-> (checkpoint key -> file, checkpoint key -> safetensors dtype), from the headers only."""
+    files, dtypes = {}, {}
+    for f in _files(Path(path)):
         with safe_open(str(f), framework="pt") as sf:
             for key in sf.keys():
-                c.files[key] = f
-                c.dtypes[key] = dt = sf.get_slice(key).get_dtype()
-                name = _strip(key)
-                target = _target(name)
-                if target in params:
-                    c.consumed[key] = name
-                    if dt not in FLOAT_DTYPES and params[target].is_floating_point():
-                        c.bad_dtype.append((key, dt, target))
-                    continue
-                if name == "lm_head.weight" and tied_lm_head:
-                    continue            # tied: embed_tokens is the head (as transformers loads it)
-                fam = next((fam for fam, rx in SKIP_FAMILIES.items() if rx.match(key)), None)
-                if fam is not None:
-                    c.skipped.setdefault(fam, []).append(key)
-                else:
-                    c.unused.append(key)
+                files[key] = f
+                dtypes[key] = sf.get_slice(key).get_dtype()
+    return files, dtypes
+
+
+def fp8_weights(path: str | Path) -> set[str]:
+    """Model-side names of the checkpoint's e4m3 weights (`layers.0.self_attn.q_proj.weight`, ...)."""
+    return {_strip(k) for k, dt in header_dtypes(path)[1].items() if dt == FP8_ST}
+
+
+def census(path: str | Path, params: dict[str, torch.nn.Parameter], tied_lm_head: bool,
+           quant_method: str | None = None) -> Census:
+    """Sort every checkpoint tensor against `params` (the model's named_parameters) from the headers only.
+    tied_lm_head: the model reads embed_tokens as lm_head, so a checkpoint's lm_head.weight is not needed.
+    quant_method: the config's (check_quantization); "fp8" admits e4m3 weights with their scales."""
+    path = Path(path)
+    c = Census(path, {}, {}, {}, {}, [], [])
+    c.files, c.dtypes = header_dtypes(path)
+    fp8 = quant_method == quant.METHOD
+    for key, dt in c.dtypes.items():
+        name = _strip(key)
+        target = _target(name)
+        if fp8 and key.endswith("." + quant.SCALE):
+            weight = key[: -len(quant.SCALE)] + "weight"
+            if c.dtypes.get(weight) == FP8_ST and _target(_strip(weight)) in params:
+                c.consumed[key] = name              # read with its weight (an FP8 parameter, or dequantized)
+                continue
+        if target in params:
+            c.consumed[key] = name
+            p = params[target]
+            if fp8 and dt == FP8_ST:
+                if key[: -len("weight")] + quant.SCALE not in c.dtypes:
+                    c.no_scale.append(key)
+            elif dt not in FLOAT_DTYPES and p.is_floating_point() or (p.dtype == quant.FP8 and dt != FP8_ST):
+                c.bad_dtype.append((key, dt, target))
+            continue
+        if name == "lm_head.weight" and tied_lm_head:
+            continue            # tied: embed_tokens is the head (as transformers loads it)
+        fam = next((fam for fam, rx in SKIP_FAMILIES.items() if rx.match(key)), None)
+        if fam is not None:
+            c.skipped.setdefault(fam, []).append(key)
+        else:
+            c.unused.append(key)
     c.unused.sort()
     return c
 
@@ -202,19 +251,28 @@ def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_into(model: torch.nn.Module, path: str | Path, dtype: torch.dtype, allow_unused: bool = False) -> None:
+def load_into(model: torch.nn.Module, path: str | Path, dtype: torch.dtype, allow_unused: bool = False,
+              quant_method: str | None = None) -> None:
     """Fill every parameter of `model` from the checkpoint at `path`, cast to dtype; strict (see the module
-    docstring: allow_unused only lets tensors that nothing consumes through, logged)."""
+    docstring: allow_unused only lets tensors that nothing consumes through, logged). FP8 parameters
+    (graphs/quant.py make_fp8) take their e4m3 weight and fp32 scales as they are."""
     expected = dict(model.named_parameters())
-    c = census(path, expected, tied_lm_head="lm_head.weight" not in expected)
+    c = census(path, expected, tied_lm_head="lm_head.weight" not in expected, quant_method=quant_method)
     c.check(allow_unused)
     c.log()
-    tensors = fuse_experts(read_checkpoint(c))
+    tensors = read_checkpoint(c)
+    if quant_method == quant.METHOD:
+        try:
+            tensors = quant.dequantize_unheld(tensors, expected, dtype)
+        except quant.QuantError as e:
+            raise LoadError(f"{e} in {path}") from None
+    tensors = fuse_experts(tensors)
     for name, p in expected.items():
         if name not in tensors:
             raise LoadError(f"missing tensor {name!r} (expected shape {list(p.shape)}) in {path}")
         t = tensors[name]
         if tuple(t.shape) != tuple(p.shape):
             raise LoadError(f"shape mismatch for {name!r}: checkpoint {list(t.shape)}, model expects {list(p.shape)}")
+        keep = p.dtype == quant.FP8 or name.endswith("." + quant.SCALE)     # e4m3 bytes, fp32 block scales
         with torch.no_grad():
-            p.data = t.to(dtype).contiguous()
+            p.data = (t if keep else t.to(dtype)).contiguous()

@@ -1,8 +1,9 @@
 """The loader refuses checkpoints it does not understand (graphs/weights.py), instead of running them wrong.
 
 Every broken checkpoint here is the builtin tiny checkpoint rewritten into a layout the loader must
-not take: the hub FP8 layout (e4m3 weights + 128x128 block `weight_scale_inv` + quantization_config),
-an AWQ layout (int32 `qweight`/`qzeros` + `scales`), a stray tensor, a float8 tensor under a plain
+not take: the hub FP8 layout (e4m3 weights + 128x128 block `weight_scale_inv`) without its
+quantization_config or with a block size the loader does not read (with the official config it loads:
+tests/test_quant_fp8.py), an AWQ layout (int32 `qweight`/`qzeros` + `scales`), a stray tensor, a float8 tensor under a plain
 name. The reference for "still loads" is the tiny checkpoint's own parameters.
 """
 import dataclasses
@@ -104,7 +105,8 @@ def ckpts(tiny, tmp_path_factory):
     garbage = root / "fp8_unreadable"
     garbage.mkdir()
     (garbage / "model.safetensors").write_bytes(b"not a safetensors file")
-    (garbage / "config.json").write_text(json.dumps(dict(TINY_HF_CONFIG, quantization_config=FP8_QCFG)))
+    (garbage / "config.json").write_text(json.dumps(dict(TINY_HF_CONFIG, quantization_config=dict(
+        FP8_QCFG, weight_block_size=[64, 64]))))
     return {
         "fp8": write_ckpt(root / "fp8", fp8, dict(TINY_HF_CONFIG, quantization_config=FP8_QCFG)),
         "fp8_noconfig": write_ckpt(root / "fp8_noconfig", fp8, TINY_HF_CONFIG),
@@ -139,17 +141,27 @@ def test_fp8_layout_is_what_the_hub_ships(ckpts, tiny):
     assert not torch.equal(t[k].float(), ref)                    # a plain cast is not the weight
 
 
-@pytest.mark.parametrize("name,method,where", [("fp8", "fp8", "config.json has"),
-                                               ("fp8_nested", "fp8", "config.json text_config has"),
-                                               ("fp8_unreadable", "fp8", "config.json has"),
-                                               ("awq", "awq", "config.json has")])
+@pytest.mark.parametrize("name,method,where", [("awq", "awq", "config.json has")])
 def test_quantization_config_is_refused(ckpts, name, method, where):
     for allow in (False, True):
         with pytest.raises(LoadError) as e:
             load_model(ckpts[name], allow_unused=allow)
         msg = str(e.value)
         assert msg.startswith(where) and f"quant_method={method!r}" in msg, msg
-        assert "supported: unquantized float checkpoints only" in msg, msg
+        assert "supported: quant_method one of ['fp8']" in msg, msg
+
+
+def test_fp8_config_it_cannot_read_is_refused_before_any_weight(ckpts):
+    """weight_block_size [64, 64] (and a safetensors file that is not one: never opened)."""
+    with pytest.raises(LoadError, match=r"^config.json quantization_config weight_block_size=\[64, 64\]: supported "
+                                        r"\[128, 128\]"):
+        load_model(ckpts["fp8_unreadable"])
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp8_nested"])
+def test_fp8_layout_with_its_config_loads(ckpts, name):
+    _, model, _ = load_model(ckpts[name])
+    assert model.layers[3].self_attn.o_proj.weight.dtype == torch.float8_e4m3fn
 
 
 def test_fp8_weights_without_config_are_refused_by_dtype(ckpts):
@@ -228,7 +240,7 @@ def test_export_refuses_before_touching_the_output(ckpts, tmp_path):
     out = tmp_path / "art"
     out.mkdir()
     (out / "manifest.json").write_text("{}")
-    for name, needle in (("fp8", "quant_method='fp8'"), ("stray", "model.layers.0.foo")):
+    for name, needle in (("awq", "quant_method='awq'"), ("stray", "model.layers.0.foo")):
         with pytest.raises(LoadError, match=needle):
             export(str(ckpts[name]), out, ExportOptions(), progress=False)
         assert (out / "manifest.json").read_text() == "{}", f"{name}: the existing artifact was removed"
@@ -258,17 +270,17 @@ def cli_runs(ckpts):
         return subprocess.run([sys.executable, "-m", "onegraph", *map(str, args)], capture_output=True, text=True,
                               timeout=120, env=ENV)
     gen = ["--eager", "--prompt-ids", "1,2,3", "--max-new-tokens", 4, "--json"]
-    jobs = {"fp8": ["generate", ckpts["fp8"], *gen],
+    jobs = {"awq": ["generate", ckpts["awq"], *gen],
             "stray": ["generate", ckpts["stray"], *gen],
             "stray_allowed": ["generate", ckpts["stray"], *gen, "--allow-unused-weights"],
-            "inspect_fp8": ["inspect", ckpts["fp8"]]}
+            "inspect_fp8": ["inspect", ckpts["fp8_noconfig"]], "inspect_fp8_loads": ["inspect", ckpts["fp8"]]}
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {n: pool.submit(onegraph, *a) for n, a in jobs.items()}
         return {n: f.result() for n, f in futures.items()}
 
 
-@pytest.mark.parametrize("name,needle", [("fp8", "quant_method='fp8'"), ("stray", "model.layers.0.foo"),
-                                         ("inspect_fp8", "quant_method='fp8'")])
+@pytest.mark.parametrize("name,needle", [("awq", "quant_method='awq'"), ("stray", "model.layers.0.foo"),
+                                         ("inspect_fp8", "has dtype float8_e4m3fn")])
 def test_cli_refusal_is_one_line_exit_2(cli_runs, name, needle):
     p = cli_runs[name]
     assert p.returncode == 2, (p.returncode, p.stderr)
@@ -278,8 +290,10 @@ def test_cli_refusal_is_one_line_exit_2(cli_runs, name, needle):
 
 def test_cli_inspect_prints_the_census(cli_runs):
     out = cli_runs["inspect_fp8"].stdout
-    assert "quantization_config: {'quant_method': 'fp8'" in out, out
+    assert "quantization_config: None" in out, out
     assert "float8_e4m3fn×" in out and "loads: refused" in out, out
+    out = cli_runs["inspect_fp8_loads"].stdout
+    assert "quantization_config: {'quant_method': 'fp8'" in out and "loads: yes" in out, out
 
 
 def test_cli_allow_unused_weights_generates(cli_runs, reference):

@@ -16,6 +16,8 @@ One file per op (kernel + launcher + triton_op), sharing `_common.py`:
   rope.py              partial rotary embedding
   causal_conv.py       causal_conv_update and causal_conv_prefill (depthwise conv + SiLU with state)
   sample.py            greedy / Gumbel-max sampling with top-k / top-p, no vocabulary sort
+  linear.py            projection GEMV at decode sizes (tile by (M, K) only)
+  linear_fp8.py        block-FP8 weight projection: e4m3 bytes and 128x128 scales applied in registers
 
 Without triton installed nothing is registered (AVAILABLE is False, IMPORT_ERROR says why) and the
 registry fails closed for every op whose CUDA lowering is "triton". This guarded import is the only
@@ -31,4 +33,4 @@ else:
     AVAILABLE = True
     IMPORT_ERROR = None
     from . import (attention_decode, attention_prefill, causal_conv, fused_moe, linear,  # noqa: F401  (register)
-                   gdn_decode_step, gdn_prefill, norms, rope, sample)
+                   gdn_decode_step, gdn_prefill, linear_fp8, norms, rope, sample)

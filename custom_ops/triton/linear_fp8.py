@@ -1,0 +1,108 @@
+"""Triton lowering of linear_fp8 (contract: custom_ops/linear_fp8.py): block-FP8 weights read as bytes.
+
+Weight-only FP8: x stays in the model dtype, w [N, K] is read as e4m3 (half the bytes of bf16: decode is
+bandwidth bound) and each value is upcast and scaled in registers, never written back dequantized.
+One kernel, grid (cdiv(N, BN), cdiv(M, BM)); program (n, m) reads rows [n*BN, (n+1)*BN) of w once for
+BM rows of x:
+- M == 1 (GEMV): fp32 FMA of the dequantized tile fp32(q) * s (the reference's very weight values) into a
+  [BN, BK] accumulator, one reduction at the end; the scale of each element is gathered from the tiny
+  [ceil(N/128), ceil(K/128)] table (cached), so BK may span blocks.
+- M > 1: tl.dot of x [BM, BK] with the raw e4m3 tile upcast to x.dtype — exact: every e4m3 value is a bf16
+  (and an fp16) value — accumulated in fp32 per BK-tile, then scaled by that tile's block scale
+  (BK divides 128, so one scale per row of the tile) and added: the reference up to fp32 summation and
+  rounding order. The same kernel covers prefill (M > GEMV_MAX_M, BM = 64): dequantizing first would
+  either round the weight to bf16 (not the reference: transformers' bf16 path, 2**-9 per weight) or need
+  an fp32 GEMM (no tensor cores, ~15x slower on the H100), and would write and re-read the weight.
+The tile (BM, BN, BK, warps, stages) depends on (M class, K) only, never on N, so a weight concatenated
+along N (graphs/fuse.py) gives bit-identical columns to the separate weights, as custom_ops/triton/linear.py.
+The Triton 3.6 interpreter (CPU tests) loads float8_e4m3fn pointers and converts every finite e4m3 value
+exactly (all 254 checked; it reads the two NaN encodings as +-480, which no checkpoint holds), so the
+weight is passed as float8_e4m3fn on both paths. Tiles are not tuned on a GPU yet.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op
+
+from .. import _registry
+from ..linear_fp8 import BLOCK, _validate
+from ._common import INTERPRETED, launch, mma, to_dt
+
+GEMV_MAX_M = 16
+
+
+@triton.jit
+def _fp8_kernel(x, w, s, y, M, N, s_x_m, s_w_n, s_s_n, s_y_m, K: tl.constexpr, SB: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr):
+    """y[m-tile, n-tile] = x[m-tile] @ (fp32(w) * s)[n-tile].T; x, w contiguous along K; SB = 128."""
+    pid_n = tl.program_id(0)
+    DT: tl.constexpr = y.dtype.element_ty
+    rn = pid_n * BN + tl.arange(0, BN)
+    mn = rn < N
+    rn64 = rn.to(tl.int64)                           # w offsets pass 2**31 for the vocab-sized projections
+    srow = (rn // SB) * s_s_n                        # [BN] each row's block row in the scale table
+    if DOT:
+        rm = tl.program_id(1) * BM + tl.arange(0, BM)
+        mm = rm < M
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, K, BK):                   # BK divides SB: one block column per tile
+            rk = k0 + tl.arange(0, BK)
+            mk = rk < K
+            xt = tl.load(x + rm[:, None] * s_x_m + rk[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
+            wt = tl.load(w + rn64[:, None] * s_w_n + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+            st = tl.load(s + srow + k0 // SB, mask=mn, other=0.0)                          # [BN]
+            part = mma(xt, tl.trans(wt.to(xt.dtype)), tl.zeros([BM, BN], tl.float32), DOT_F32)
+            acc += part * st[None, :]
+        tl.store(y + rm[:, None] * s_y_m + rn[None, :], to_dt(acc, DT), mask=mm[:, None] & mn[None, :])
+    else:
+        acc = tl.zeros([BN, BK], tl.float32)
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            mk = rk < K
+            m2 = mn[:, None] & mk[None, :]
+            xv = tl.load(x + rk, mask=mk, other=0.0).to(tl.float32)
+            wt = tl.load(w + rn64[:, None] * s_w_n + rk[None, :], mask=m2, other=0.0).to(tl.float32)
+            st = tl.load(s + srow[:, None] + (rk // SB)[None, :], mask=m2, other=0.0)        # [BN, BK]
+            acc += (wt * st) * xv[None, :]
+        tl.store(y + rn, to_dt(tl.sum(acc, axis=1), DT), mask=mn)
+
+
+# (BM, BN, BK, num_warps, num_stages) by M class: 1 (GEMV), 2..GEMV_MAX_M (dot, 16 rows), above (prefill).
+# Not yet tuned on the H100 (custom_ops/triton/linear.py's bf16 tiles were; these start from them with a
+# BK that divides the 128-column block where the dot path needs it).
+TILES = {"one": (1, 8, 256, 4, 3), "few": (16, 32, 128, 4, 4), "many": (64, 128, 128, 4, 3)}
+
+
+def tile(M: int, K: int) -> tuple[int, int, int, int, int]:
+    cls = "one" if M == 1 else "few" if M <= GEMV_MAX_M else "many"
+    bm, bn, bk, warps, stages = TILES[cls]
+    floor = 1 if cls == "one" else 16                # tl.dot needs K-tiles of 16 at least
+    return bm, bn, max(floor, min(bk, triton.next_power_of_2(K))), warps, stages
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+           cfg: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] @ dequant(w [N, K], scale).T -> [M, N] x.dtype; cfg overrides the tile (benchmarks only)."""
+    M, K = x.shape
+    N = w.shape[0]
+    x, w, scale = x.contiguous(), w.contiguous(), scale.contiguous()
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    bm, bn, bk, warps, stages = cfg or tile(M, K)
+    dot = M > 1
+    if dot and BLOCK % bk:
+        raise ValueError(f"linear_fp8: the dot path needs a K tile dividing {BLOCK}, got {bk}")
+    launch(_fp8_kernel, (triton.cdiv(N, bn), triton.cdiv(M, bm) if dot else 1), x, w, scale, y, M, N,
+           x.stride(0), w.stride(0), scale.stride(0), y.stride(0), K=K, SB=BLOCK, BM=bm, BN=bn, BK=bk, DOT=dot,
+           DOT_F32=INTERPRETED, num_warps=warps, num_stages=stages)
+    return y
+
+
+@triton_op("onegraph::linear_fp8_triton", mutates_args=())
+def linear_fp8_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    _validate(x, w, scale)
+    return matmul(x, w, scale)
+
+
+_registry.register_lowering("linear_fp8", "triton", torch.ops.onegraph.linear_fp8_triton.default)

@@ -1,0 +1,120 @@
+"""onegraph::linear_fp8's CUDA lowering (custom_ops/triton/linear_fp8.py) against an independent float64
+dequantization, in Triton's CPU interpreter without a GPU (small awkward shapes) and compiled on a GPU
+(plus the `cuda` tests at Qwen3.5-35B-A3B shapes).
+
+Weights are random e4m3 bytes (every finite code) with a different random power-of-two-spread scale per
+128x128 block, so a block read with another block's scale is caught, not averaged away. Tolerances as
+tests/test_triton_linear.py: fp32 1e-5 relative to the output's scale (another summation order); bf16 one
+rounding of an almost exact sum, 2**-8 relative.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triton_env import CUDA, DEVICE, HAVE_TRITON, cuda_only, kernels, needs_triton  # noqa: F401
+
+if kernels.AVAILABLE:
+    from onegraph.custom_ops.triton import linear_fp8 as lin8
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -8}
+
+
+def _fp8_weight(N, K, seed):
+    """-> (w [N, K] e4m3, scale [ceil(N/128), ceil(K/128)] fp32), on DEVICE."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (N, K), generator=g, dtype=torch.int32)
+    codes = torch.where((codes & 0x7F) == 0x7F, 0x3C, codes).to(torch.uint8)      # no NaN codes (0x7F, 0xFF)
+    nb, kb = -(-N // 128), -(-K // 128)
+    scale = torch.rand(nb, kb, generator=g) * 2.0 ** torch.randint(-12, -4, (nb, kb), generator=g)
+    return codes.view(torch.float8_e4m3fn).to(DEVICE), scale.to(DEVICE)
+
+
+def _x(M, K, dtype, seed):
+    g = torch.Generator().manual_seed(seed + 1)
+    return torch.randn(M, K, generator=g).to(dtype).to(DEVICE)
+
+
+def _ref(x, w, scale):
+    """float64: each block's scale repeated over its elements (repeat_interleave, not the op's expand)."""
+    N, K = w.shape
+    s = scale.double().repeat_interleave(128, 0)[:N].repeat_interleave(128, 1)[:, :K]
+    return x.double() @ (w.double() * s).T
+
+
+def _check(y, x, w, scale):
+    ref = _ref(x, w, scale)
+    err = ((y.double() - ref).abs() / ref.abs().amax().clamp(min=1e-30)).max().item()
+    assert err <= TOL[x.dtype], f"max relative error {err:.3g} > {TOL[x.dtype]:.3g}"
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 3, 16, 17])
+def test_matches_float64_dequantization(M, dtype):
+    """N = 200 and K = 300: partial blocks on both edges; M = 17 takes the prefill (BM = 64) tiles."""
+    w, scale = _fp8_weight(200, 300, seed=M)
+    x = _x(M, 300, dtype, seed=M)
+    y = lin8.matmul(x, w, scale)
+    assert y.shape == (M, 200) and y.dtype == dtype
+    _check(y, x, w, scale)
+
+
+@needs_triton
+@pytest.mark.parametrize("M", [1, 3])
+def test_concatenated_weight_is_bit_identical(M):
+    """Parts of whole 128-row blocks (and a last partial one) concatenate with their scale rows: every
+    column is the same sum as from its own part (the tile depends on (M, K) only)."""
+    parts = [_fp8_weight(n, 192, seed=10 + n) for n in (256, 128, 40)]
+    x = _x(M, 192, torch.bfloat16, seed=3)
+    fused = lin8.matmul(x, torch.cat([w for w, _ in parts]), torch.cat([s for _, s in parts]))
+    assert torch.equal(fused, torch.cat([lin8.matmul(x, w, s) for w, s in parts], 1))
+
+
+@needs_triton
+def test_triton_op_refuses_a_scale_of_the_wrong_shape():
+    w, scale = _fp8_weight(200, 300, seed=0)
+    x = _x(1, 300, torch.bfloat16, seed=0)
+    with pytest.raises(ValueError, match=r"one per 128x128 block of w.*\[2, 3\]"):
+        torch.ops.onegraph.linear_fp8_triton(x, w, scale[:1])
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        torch.ops.onegraph.linear_fp8_triton(x, w.float(), scale)
+
+
+def test_reference_is_the_float64_dequantization():
+    """The op's pure-torch reference (the CPU lowering) against the same independent dequantization."""
+    from onegraph.custom_ops.linear_fp8 import reference_linear_fp8
+    w, scale = _fp8_weight(200, 300, seed=5)
+    x = _x(4, 300, torch.float32, seed=5)
+    _check(reference_linear_fp8(x.cpu(), w.cpu(), scale.cpu()), x.cpu(), w.cpu(), scale.cpu())
+
+
+@pytest.mark.parametrize("M", [1, 4, 16, 64])
+@pytest.mark.parametrize("N,K", [(12352, 2048), (2048, 4096)], ids=["gdn_in_proj", "out_proj"])
+def test_35b_shapes(M, N, K):
+    """The fused GDN in_proj (8192 + 4096 + 32 + 32 rows) and out_proj / o_proj shapes, bf16 activations;
+    prints the kernel's time and its weight bandwidth beside the bf16 GEMV's (informational)."""
+    from onegraph.custom_ops.triton import linear as lin
+    w, scale = _fp8_weight(N, K, seed=M)
+    x = _x(M, K, torch.bfloat16, seed=M)
+    _check(lin8.matmul(x, w, scale), x, w, scale)
+    wb = torch.randn(N, K, device=DEVICE, dtype=torch.bfloat16)
+
+    def us(fn):
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(50):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) * 1e3 / 50
+
+    t8, t16 = us(lambda: lin8.matmul(x, w, scale)), us(lambda: lin.project(x, wb))
+    print(f"\nM={M} N={N} K={K}: fp8 {t8:.1f} us ({N * K / t8 / 1e3:.0f} GB/s), bf16 {t16:.1f} us "
+          f"({2 * N * K / t16 / 1e3:.0f} GB/s)")
+
+
+for _m in cuda_only:
+    test_35b_shapes = _m(test_35b_shapes)
