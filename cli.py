@@ -95,7 +95,7 @@ def cmd_export(args) -> int:
                          prefill_chunks=parse_buckets(args.prefill_chunks, "--prefill-chunks"),
                          max_seq_len=args.max_seq_len, tp=args.tp, kernels=args.kernels,
                          eager_rounding=not args.fused_rounding, fp32_reduce=args.fp32_reduce,
-                         allow_unused_weights=args.allow_unused_weights)
+                         allow_unused_weights=args.allow_unused_weights, quant=args.quant)
     print(summary_text(export(args.model, args.out, opts, progress=not args.quiet)))
     return 0
 
@@ -314,6 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="row-parallel projections (o_proj, out_proj, MoE/MLP down) keep their fp32 sums through the "
                         "TP all-reduce and round once: bf16 ids then do not depend on --tp (export every TP degree "
                         "you compare with it, TP-1 included)")
+    p.add_argument("--quant", default="none", choices=["none", "fp8"],
+                   help="dense projections' weights in the artifact: none (--dtype; an FP8 checkpoint is "
+                        "dequantized) or fp8 (e4m3 with 128x128 block scales, weight-only: a float checkpoint is "
+                        "quantized, an FP8 one kept as it is); recorded in the manifest")
     add_allow_unused_arg(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(fn=cmd_export)

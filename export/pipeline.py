@@ -53,6 +53,7 @@ class ExportOptions:
     eager_rounding: bool = True                # round intermediates where eager does (bf16/fp16 parity)
     fp32_reduce: bool = False                  # row-parallel outputs in fp32, all-reduced, rounded once (TP-invariant)
     allow_unused_weights: bool = False         # load even if the checkpoint holds tensors the model does not consume
+    quant: str = "none"                        # dense projections' weights: none (model dtype) | fp8 (graphs/quant.py)
 
     def validate(self, max_positions: int) -> None:
         if self.backend not in ("aoti", "onnx"):
@@ -75,6 +76,10 @@ class ExportOptions:
             raise ValueError("--fp32-reduce needs --backend aoti (the ONNX backend is fp32 only: its sums are fp32 already)")
         if self.tp > 1 and self.backend != "aoti":
             raise ValueError("--tp > 1 needs --backend aoti (the ONNX backend has no collectives)")
+        if self.quant not in ("none", "fp8"):
+            raise ValueError(f"--quant must be none or fp8, got {self.quant!r}")
+        if self.quant == "fp8" and (self.backend != "aoti" or self.tp > 1):
+            raise ValueError("--quant fp8 needs --backend aoti and --tp 1 (FP8 weights are not sharded yet)")
         resolve_dtype(self.dtype)
 
 
@@ -146,7 +151,7 @@ def export(model_spec: str, out_dir: str | Path, opts: ExportOptions, progress: 
 
     bar.set_postfix_str("load")
     cfg, model, src = load_model(model_spec, dtype, dev, fp32_reduce=opts.fp32_reduce,
-                                  allow_unused=opts.allow_unused_weights, fuse=False)
+                                  allow_unused=opts.allow_unused_weights, fuse=False, quant=opts.quant)
     ranks = shard(model, opts)
     fuse_projections(model)          # the TP-1 eager model records the fixture: the same projections
     bar.update()
