@@ -191,3 +191,31 @@ def test_fp8_config_the_loader_does_not_read_exactly_is_refused(fp8_tensors, bad
 def test_fp8_with_tensor_parallel_is_refused(fp8_dir):
     with pytest.raises(ValueError, match="FP8 weights with tp > 1 are not supported"):
         load_model(fp8_dir, tp=2)
+
+
+def test_cli_export_quant_fp8_records_the_scheme_and_replays_its_eager_model(tmp_path, capsys):
+    """`onegraph export tiny --quant fp8`: FP8 weights in the artifact, the scheme in the manifest's options
+    and in `onegraph inspect`, the load-time fixture (recorded from the FP8 eager model) passes, and the
+    graphs call no Python op."""
+    from safetensors import safe_open
+
+    from onegraph import cli
+    from onegraph.custom_ops import PYTHON_CALLS
+    from onegraph.runtime.executor import GraphExecutor
+    out = tmp_path / "art"
+    assert cli.main(["export", "tiny", "--out", str(out), "--batch-sizes", "1", "--prefill-chunks", "16",
+                     "--max-seq-len", "64", "--quant", "fp8", "--quiet", "--no-cache"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["options"]["quant"] == "fp8"
+    with safe_open(str(out / "weights.safetensors"), "pt") as f:
+        fp8 = [k for k in f.keys() if f.get_slice(k).get_dtype() == "F8_E4M3"]
+    assert "model.layers.3.self_attn.o_proj.weight" in fp8 and len(fp8) == 9, fp8
+    capsys.readouterr()
+    assert cli.main(["inspect", str(out)]) == 0
+    assert "'quant': 'fp8'" in capsys.readouterr().out
+    ex = GraphExecutor.from_artifact(out, max_slots=1)
+    assert ex.fixture_report["max_logit_diff"] <= 1e-4 and not ex.fixture_report["routing_flips"]
+    PYTHON_CALLS.clear()
+    ids, _ = ex.generate(PROMPT, 8)
+    assert sum(PYTHON_CALLS.values()) == 0, PYTHON_CALLS
+    assert ids == generate_eager(load_model("tiny", quant="fp8")[1], PROMPT, 8, max_seq_len=64).token_ids
