@@ -219,3 +219,28 @@ def test_cli_export_quant_fp8_records_the_scheme_and_replays_its_eager_model(tmp
     ids, _ = ex.generate(PROMPT, 8)
     assert sum(PYTHON_CALLS.values()) == 0, PYTHON_CALLS
     assert ids == generate_eager(load_model("tiny", quant="fp8")[1], PROMPT, 8, max_seq_len=64).token_ids
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_fp8_artifact_matches_its_eager_model(tmp_path):
+    """`--quant fp8` on CUDA: the Triton linear_fp8 kernel inside the AOTInductor graphs (GEMV at decode,
+    tl.dot at the 16-token prefill) against the FP8 eager model (the op's reference), bf16, 64 tokens,
+    with and without CUDA-graph capture; ids agree up to a near-tie as tests/test_cuda_e2e.py."""
+    from test_cuda_e2e import PROMPTS, agrees_up_to_near_tie
+
+    from onegraph.export.pipeline import ExportOptions, export
+    from onegraph.runtime import Engine
+    out = tmp_path / "fp8"
+    export("tiny", out, ExportOptions(device="cuda", dtype="bfloat16", batch_sizes=(1, 4), prefill_chunks=(16,),
+                                      max_seq_len=256, quant="fp8"), progress=False)
+    model = load_model("tiny", "bfloat16", "cuda", quant="fp8")[1]
+    for cuda_graphs in (True, False):
+        eng = Engine.from_artifact(out, max_slots=2, device="cuda", cuda_graphs=cuda_graphs)
+        try:
+            assert eng.ex.fixture_report["max_logit_diff"] <= 0.25
+            for p in PROMPTS:
+                agrees_up_to_near_tie(eng.generate(p, 64).token_ids, generate_eager(model, p, 64, max_seq_len=256),
+                                      0.25, f"fp8 bf16 cuda_graphs={cuda_graphs}")
+        finally:
+            eng.close()
