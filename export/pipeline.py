@@ -2,6 +2,11 @@
 
     load -> shard (tensor parallel: one model per rank, graphs/tp.py) -> trace -> lower -> package
 
+Everything is written into a staging directory beside --out and renamed into place once the manifest
+is written and verified (staging.py). Graphs are traced here one after another and lowered by worker
+processes, several at once (workers.py); a graph compiled before from the same program, weights,
+options and toolchain is copied from the cache instead (cache.py).
+
 Tensor parallel (--tp N, AOTInductor): every rank's graphs are traced in this one process under a
 fake N-rank process group (the collectives are graph nodes; nothing is communicated while tracing)
 and written as graphs/rank{r}/<name>.pt2 with weights_rank{r}.safetensors; the manifest's "tp"
@@ -21,6 +26,7 @@ import json
 import shutil
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -30,10 +36,15 @@ from onegraph.graphs.eager import SamplingParams, generate_eager, router_margins
 from onegraph.graphs.fuse import fuse_projections
 from onegraph.graphs.load import check_checkpoint, load_model, resolve_dtype
 from onegraph.graphs.tp import check_divisible
-from onegraph.runtime.artifact import device_descriptor, tool_versions, write_manifest
+from onegraph.runtime.artifact import device_descriptor, load_manifest, sha256_file, tool_versions, write_manifest
 
+from .cache import DEFAULT_DIR as DEFAULT_CACHE_DIR
+from .cache import GraphCache, graph_key
 from .entry import graph_spec
+from .program import save_without_weights, weights_of
+from .staging import check_target, interruptible, publish, staging
 from .trace import trace
+from .workers import Done, LoweringPool, auto_jobs
 
 TEXT_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 FIXTURE_PROMPTS = ([1, 2, 3], [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100], list(range(10, 40)))
@@ -129,70 +140,147 @@ def fixture(model, max_seq_len: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def export(model_spec: str, out_dir: str | Path, opts: ExportOptions, progress: bool = True) -> dict:
-    """Run every stage; returns a summary. The output directory is replaced."""
-    from safetensors.torch import save_file
+def export(model_spec: str, out_dir: str | Path, opts: ExportOptions, progress: bool = True, *,
+           force: bool = False, cache_dir: str | Path | None = None, jobs: int | None = None,
+           on_lower_start: Callable[[str, int], None] | None = None) -> dict:
+    """Run every stage into a staging directory beside out_dir, verify it, rename it into place
+    (staging.py); returns a summary. force: replace an existing artifact. cache_dir: reuse compiled
+    graphs (cache.py; the CLI passes DEFAULT_CACHE_DIR; None: compile every graph). jobs: lowering
+    worker processes (None: as many as the cores and memory allow, workers.auto_jobs; 1: lower in this
+    process). Workers are spawned: a script calling this with jobs != 1 needs the usual
+    `if __name__ == "__main__":` guard. on_lower_start(tag, pid) is called as a graph is handed to a
+    worker (a test hook)."""
     t0 = time.time()
     cfg, tensors = check_checkpoint(model_spec)         # quantized / unexpected / non-float tensors: refused
     tensors.check(opts.allow_unused_weights)            # here, before anything is written or removed
     opts.validate(cfg.max_position_embeddings)
     check_divisible(cfg, opts.tp)
+    if jobs is not None and jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
     out = Path(out_dir)
-    if out.exists():
-        if not (out / "manifest.json").is_file() and any(out.iterdir()):
-            raise ValueError(f"--out {out} exists and is not an onegraph artifact: refusing to overwrite it")
-        shutil.rmtree(out)
-    (out / "graphs").mkdir(parents=True)
+    check_target(out, force)                            # a foreign directory; an artifact without force
+    with interruptible(), staging(out) as stage:
+        s = _build(model_spec, stage, opts, progress, GraphCache(cache_dir) if cache_dir else None, jobs,
+                   on_lower_start)
+        load_manifest(stage, opts.device)               # every file's hash, before it becomes --out
+        publish(stage, out, force)
+    return dict(s, out=str(out), total_s=round(time.time() - t0, 1))
+
+
+def lowering_order(specs: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """Largest graphs first (prefill unrolls its scan over T/64 chunks), so the last to finish is small."""
+    return sorted(specs, key=lambda s: (s[0] == "prefill", s[1]), reverse=True)
+
+
+def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: GraphCache | None,
+           jobs: int | None, on_lower_start) -> dict:
+    from safetensors.torch import save_file
+
+    from .aoti import INDUCTOR_CONFIGS, lower_aoti
     dev = torch.device(opts.device)
     dtype = resolve_dtype(opts.dtype)
     specs_wanted = [("decode", b) for b in sorted(set(opts.batch_sizes))] + \
                    [("prefill", t) for t in sorted(set(opts.prefill_chunks))]
-    bar = tqdm(total=3 + 2 * len(specs_wanted) * opts.tp, desc="export", disable=not progress, unit="stage")
-
+    tp = opts.tp
+    n_graphs = len(specs_wanted) * tp
+    bar = tqdm(total=n_graphs, desc="export", disable=not progress, unit="graph")
     bar.set_postfix_str("load")
     cfg, model, src = load_model(model_spec, dtype, dev, fp32_reduce=opts.fp32_reduce,
                                   allow_unused=opts.allow_unused_weights, fuse=False, quant=opts.quant)
     ranks = shard(model, opts)
     fuse_projections(model)          # the TP-1 eager model records the fixture: the same projections
-    bar.update()
 
-    graphs, timings = {}, {}
-    tp = opts.tp
+    entries, timings, compile_s, cached, dests, keys = {}, {}, {}, [], {}, {}
     sub = "graphs/rank{rank}/" if tp > 1 else "graphs/"
     weights_file = "weights_rank{rank}.safetensors" if tp > 1 else "weights.safetensors"
-    with trace_group(tp) as group_name:
-        for r, rank_model in enumerate(ranks):
-            for kind, bucket in specs_wanted:
-                spec = graph_spec(rank_model, kind, bucket, opts.max_seq_len, dtype)
-                tag = spec.name if tp == 1 else f"rank{r}/{spec.name}"
-                bar.set_postfix_str(f"trace {tag}")
-                t = time.time()
-                ep, hist = trace(rank_model, spec, dev, opts.kernels)
-                bar.update()
-                bar.set_postfix_str(f"lower {tag}")
-                rel = sub + f"{spec.name}.{'pt2' if opts.backend == 'aoti' else 'onnx'}"
-                (out / rel.format(rank=r)).parent.mkdir(parents=True, exist_ok=True)
-                if opts.backend == "aoti":
-                    from .aoti import lower_aoti
-                    lower_aoti(ep, out / rel.format(rank=r), opts.eager_rounding)
-                else:
-                    from .onnx import lower_onnx
-                    lower_onnx(rank_model, spec, ep, out / rel)
-                timings[tag] = round(time.time() - t, 2)
-                graphs[spec.name] = dict(spec.manifest(), file=rel, ops=hist, node_count=sum(hist.values()))
-                bar.update()
-            bar.set_postfix_str("package")
-            weights = {n: t.detach().contiguous().cpu() for n, t in
-                       list(rank_model.named_parameters(prefix="model")) + list(rank_model.named_buffers(prefix="model"))}
-            save_file(weights, str(out / weights_file.format(rank=r)))
-    save_file(fixture(model, opts.max_seq_len), str(out / "fixture.safetensors"))   # TP-1 eager: the truth
+    lowering = {"eager_rounding": opts.eager_rounding, "inductor": INDUCTOR_CONFIGS}
+    device_desc = device_descriptor(dev)
+    n_jobs = 1 if opts.backend != "aoti" else jobs or auto_jobs(n_graphs, dev)
+    work = stage / ".work"                              # programs and worker logs, removed before the manifest
+    work.mkdir()
+    pool, t_trace = None, {}
+
+    def finished(done: list[Done]) -> None:
+        for d in done:
+            compile_s[d.tag] = round(d.seconds, 2)
+            timings[d.tag] = round(t_trace[d.tag] + d.seconds, 2)
+            if cache is not None:
+                cache.store(keys[d.tag], dests[d.tag], d.seconds, dev.type)
+            bar.update()
+
+    try:
+        with trace_group(tp) as group_name:
+            for r, rank_model in enumerate(ranks):
+                # weights first: written once either way, and the cache key holds their hash
+                weights = {n: t.detach().contiguous().cpu() for n, t in
+                           list(rank_model.named_parameters(prefix="model")) +
+                           list(rank_model.named_buffers(prefix="model"))}
+                save_file(weights, str(stage / weights_file.format(rank=r)))
+                weights_sha = sha256_file(stage / weights_file.format(rank=r)) if cache is not None else None
+                shared = False
+                for kind, bucket in lowering_order(specs_wanted):
+                    spec = graph_spec(rank_model, kind, bucket, opts.max_seq_len, dtype)
+                    tag = spec.name if tp == 1 else f"rank{r}/{spec.name}"
+                    bar.set_postfix_str(f"trace {tag}")
+                    t = time.time()
+                    ep, hist = trace(rank_model, spec, dev, opts.kernels)
+                    rel = sub + f"{spec.name}.{'pt2' if opts.backend == 'aoti' else 'onnx'}"
+                    entries[(r, kind, bucket)] = spec.name, dict(spec.manifest(), file=rel, ops=hist,
+                                                                 node_count=sum(hist.values()))
+                    dest = dests[tag] = stage / rel.format(rank=r)
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    if opts.backend == "onnx":
+                        from .onnx import lower_onnx
+                        lower_onnx(rank_model, spec, ep, dest)
+                        timings[tag] = round(time.time() - t, 2)
+                        bar.update()
+                        continue
+                    program = work / f"{tag.replace('/', '.')}.program.pt2"
+                    if cache is not None or n_jobs > 1:
+                        save_without_weights(ep, program)
+                    t_trace[tag] = time.time() - t
+                    if cache is not None:
+                        keys[tag] = graph_key(program, weights_sha, dest.name, lowering, device_desc)
+                        if cache.fetch(keys[tag], dest):
+                            cached.append(tag)
+                            timings[tag] = round(time.time() - t, 2)
+                            bar.update()
+                            continue
+                    if n_jobs == 1:                 # in this process, from the program in memory
+                        bar.set_postfix_str(f"lower {tag}")
+                        t1 = time.time()
+                        lower_aoti(ep, dest, opts.eager_rounding)
+                        finished([Done(tag, time.time() - t1)])
+                        continue
+                    if pool is None:
+                        pool = LoweringPool(min(n_jobs, n_graphs), dev, tp, work / "logs", on_lower_start)
+                    if not shared:
+                        pool.share(r, weights_of(ep))
+                        shared = True
+                    pool.submit(tag, r, program, dest, opts.eager_rounding)
+                    finished(pool.poll(0))
+        bar.set_postfix_str("fixture")
+        save_file(fixture(model, opts.max_seq_len), str(stage / "fixture.safetensors"))   # TP-1 eager: the truth
+        while pool is not None and pool.pending:
+            bar.set_postfix_str("lower " + ", ".join(pool.running()))
+            finished(pool.poll(1.0))
+    finally:
+        if pool is not None:
+            pool.close()
+    shutil.rmtree(work)
+    bar.set_postfix_str("package")
     for name in TEXT_FILES:
         if (src / name).is_file():
-            shutil.copy(src / name, out / name)
+            shutil.copy(src / name, stage / name)
+    graphs = {}
+    for r in range(tp):                # each graph once, in bucket order (its file name holds {rank})
+        for kind, bucket in specs_wanted:
+            name, entry = entries[(r, kind, bucket)]
+            graphs[name] = entry
     state = graphs[next(iter(graphs))]["inputs"][-2 * cfg.num_layers:]
     manifest = {
         "backend": opts.backend, "model": cfg.to_dict(), "dtype": opts.dtype,
-        "device": device_descriptor(dev), "versions": tool_versions(opts.backend), "ops": schema_versions(),
+        "device": device_desc, "versions": tool_versions(opts.backend), "ops": schema_versions(),
         "options": dataclasses.asdict(opts), "max_seq_len": opts.max_seq_len, "graphs": graphs, "state": state,
         "weights": weights_file, "weight_shapes": {n: list(t.shape) for n, t in weights.items()},
         "fixture": "fixture.safetensors", "timings_s": timings,
@@ -203,22 +291,28 @@ def export(model_spec: str, out_dir: str | Path, opts: ExportOptions, progress: 
                           "local_dims": dataclasses.asdict(local_dims(cfg, tp)),
                           "collectives": "all_reduce after each token mixer and MLP block; all_gather of "
                                          "vocab-sharded logits before sampling"}
-    write_manifest(out, manifest)
-    bar.update()
+    write_manifest(stage, manifest)
     bar.close()
-    sizes = {p.name: p.stat().st_size for p in sorted((out / "graphs").iterdir())}
-    if tp > 1:
-        sizes = {f"rank{r}/{p.name}": p.stat().st_size for r in range(tp)
-                 for p in sorted((out / "graphs" / f"rank{r}").iterdir())}
-    return {"out": str(out), "graphs": sizes,
-            "weights_bytes": sum((out / weights_file.format(rank=r)).stat().st_size for r in range(tp)),
-            "seconds": round(time.time() - t0, 1), "timings_s": timings}
+    gdir = stage / "graphs"
+    sizes = {str(p.relative_to(gdir)): p.stat().st_size for p in sorted(gdir.rglob("*")) if p.is_file()}
+    return {"graphs": sizes, "weights_bytes": sum((stage / weights_file.format(rank=r)).stat().st_size
+                                                  for r in range(tp)),
+            "timings_s": timings, "compile_s": compile_s, "cached": cached,
+            "workers": len(pool.workers) if pool is not None else 0}
 
 
 def summary_text(s: dict) -> str:
-    lines = [f"artifact {s['out']} in {s['seconds']} s"]
-    lines += [f"  {n:<24} {sz / 1e6:8.2f} MB  ({s['timings_s'][n.rsplit('.', 1)[0]]} s)" for n, sz in s["graphs"].items()]
-    lines.append(f"  weights.safetensors      {s['weights_bytes'] / 1e6:8.2f} MB")
+    """One line per graph (size, lowering seconds or reused), the weights, and a header with the totals."""
+    n, reused = len(s["graphs"]), len(s["cached"])
+    how = f" by {s['workers']} worker processes" if s["workers"] else " in this process" if n > reused else ""
+    lines = [f"artifact {s['out']}: {n} graphs: {n - reused} lowered{how}, {reused} reused from the cache; "
+             f"{s['total_s']} s in all"]
+    for name, size in s["graphs"].items():
+        tag = name.rsplit(".", 1)[0]
+        what = "reused from the cache" if tag in s["cached"] else \
+            f"lowered in {s['compile_s'][tag]} s" if tag in s["compile_s"] else f"{s['timings_s'][tag]} s (onnx)"
+        lines.append(f"  {name:<24} {size / 1e6:8.2f} MB  {what}")
+    lines.append(f"  {'weights':<24} {s['weights_bytes'] / 1e6:8.2f} MB")
     return "\n".join(lines)
 
 
