@@ -89,14 +89,25 @@ def parse_buckets(text: str, flag: str) -> tuple[int, ...]:
 
 
 def cmd_export(args) -> int:
-    from onegraph.export.pipeline import ExportOptions, export, summary_text
+    from onegraph.export.pipeline import DEFAULT_CACHE_DIR, ExportOptions, export, summary_text
     opts = ExportOptions(device=args.device, dtype=args.dtype, backend=args.backend,
                          batch_sizes=parse_buckets(args.batch_sizes, "--batch-sizes"),
                          prefill_chunks=parse_buckets(args.prefill_chunks, "--prefill-chunks"),
                          max_seq_len=args.max_seq_len, tp=args.tp, kernels=args.kernels,
                          eager_rounding=not args.fused_rounding, fp32_reduce=args.fp32_reduce,
                          allow_unused_weights=args.allow_unused_weights, quant=args.quant)
-    print(summary_text(export(args.model, args.out, opts, progress=not args.quiet)))
+    from onegraph.export.staging import ExportInterrupted
+    from onegraph.export.workers import LoweringError
+    try:
+        s = export(args.model, args.out, opts, progress=not args.quiet, force=args.force,
+                   cache_dir=None if args.no_cache else args.cache_dir or DEFAULT_CACHE_DIR, jobs=args.jobs)
+    except LoweringError as e:                  # the message names the graph, the cause and the log
+        print(f"onegraph export: error: {e}", file=sys.stderr)
+        return 1
+    except ExportInterrupted as e:
+        print(f"onegraph export: interrupted by {e}; --out {args.out} is untouched", file=sys.stderr)
+        return 128 + e.signum
+    print(summary_text(s))
     return 0
 
 
@@ -320,6 +331,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "quantized, an FP8 one kept as it is); recorded in the manifest")
     add_allow_unused_arg(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--force", action="store_true", help="replace an existing artifact at --out")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="graphs lowered at once, each in a worker process (default: as many as the cores and "
+                        "free memory allow; 1: in this process)")
+    p.add_argument("--cache-dir", default=None,
+                   help="compiled graphs reused across exports, keyed by graph, weights, options and toolchain "
+                        "(default: ~/.cache/onegraph/aoti)")
+    p.add_argument("--no-cache", action="store_true", help="compile every graph; read and write no cache")
     p.set_defaults(fn=cmd_export)
 
     p = sub.add_parser("bench", help="decode speed: replayed graphs vs eager (vs transformers), JSON out")
@@ -347,8 +366,23 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# Known third-party deprecation warnings (message, category, module that warns): torch's own code
+# calling its deprecated APIs, nothing the user can act on. Matched narrowly; every other warning shows.
+KNOWN_WARNINGS = (
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning, r"copyreg|torch\..*"),
+    (r"`torch\._prims_common\.check` is deprecated", FutureWarning, r"torch\..*"),
+)
+
+
+def quiet_known_warnings() -> None:
+    import warnings
+    for message, category, module in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_known_warnings()
     try:
         return args.fn(args)
     except (UserError, FileNotFoundError, ValueError, NotImplementedError) as e:

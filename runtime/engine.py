@@ -149,7 +149,16 @@ class Engine:
         self.submit(prompt_ids, emit, max_new_tokens, temperature, top_k, top_p, seed, stop_ids)
         if not done.wait(timeout):
             raise TimeoutError("generation did not finish in time")
-        return Result(out, fin[0], {"total_ms": (time.perf_counter() - t0) * 1e3, **self.stats()["step_us"]})
+        return Result(out, fin[0], self.timings((time.perf_counter() - t0) * 1e3))
+
+    def timings(self, total_ms: float) -> dict:
+        """Timing fields with their unit in the name (README: JSON output): total_ms of the request,
+        prefill_us summed over the engine's prefills so far, each decode phase in µs per decode step."""
+        with self.cv:
+            steps = self.counters["decode_steps"]
+            per_step = {f"{k}_us_per_step": v / max(1, steps) for k, v in self.step_us.items() if k != "prefill"}
+            return {"total_ms": total_ms, "prefill_us": self.step_us.get("prefill", 0.0), "decode_steps": steps,
+                    **per_step}
 
     def stream(self, prompt_ids, max_new_tokens=16, temperature=0.0, top_k=0, top_p=1.0, seed=None,
                stop_ids=(), request_id: list | None = None):
