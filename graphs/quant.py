@@ -5,7 +5,7 @@ Format (checked against transformers 5.24 `integrations/finegrained_fp8.py` — 
 `Fp8Dequantize`, serialized names `weight` + `weight_scale_inv` — and vLLM's `Fp8LinearMethod` block
 quantization):
   X.weight            [N, K]                         float8_e4m3fn
-  X.weight_scale_inv  [ceil(N/128), ceil(K/128)]     float32, the multiplier: w[n, k] = fp32(q[n, k]) * s[n // 128, k // 128]
+  X.weight_scale_inv  [ceil(N/128), ceil(K/128)]     float32, a multiplier: w[n, k] = fp32(q[n, k]) * s[n//128, k//128]
   config.json quantization_config: {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                     "weight_block_size": [128, 128], "modules_to_not_convert": [...]}
 A block at the right or bottom edge is partial (vLLM's ceil grid). transformers' Fp8Dequantize derives the
@@ -19,7 +19,8 @@ Which modules are FP8 in an artifact:
   float weights), where the model runs that projection through `Linear` (FP8_MODULE below). Other e4m3
   weights — routed experts, the shared expert (both read by fused_moe), lm_head, MTP — are dequantized at
   load to the compute dtype, exactly dtype(fp32(q) * scale) per block, until their kernels take FP8.
-- `--quant fp8` on a float checkpoint: the FP8_MODULE projections except KEEP_FLOAT, quantized here.
+- `--quant fp8` on a float checkpoint: the FP8_MODULE projections except KEEP_FLOAT, quantized here (the
+  experts and the shared expert stay in the compute dtype until fused_moe takes FP8).
   Kept float, as the official format keeps them: embeddings and lm_head (vocab-sized, the logits' scale),
   norms (vectors), the router `mlp.gate` and `shared_expert_gate` (routing decisions flip on small
   changes), and the GDN `in_proj_a` / `in_proj_b` (32 rows each at 35B: a fraction of a block whose outputs

@@ -2,9 +2,9 @@
 
 Every broken checkpoint here is the builtin tiny checkpoint rewritten into a layout the loader must
 not take: the hub FP8 layout (e4m3 weights + 128x128 block `weight_scale_inv`) without its
-quantization_config or with a block size the loader does not read (with the official config it loads:
-tests/test_quant_fp8.py), an AWQ layout (int32 `qweight`/`qzeros` + `scales`), a stray tensor, a float8 tensor under a plain
-name. The reference for "still loads" is the tiny checkpoint's own parameters.
+quantization_config or with a block size the loader does not read (with the official config it loads,
+tests/test_quant_fp8.py), an AWQ layout (int32 `qweight`/`qzeros` + `scales`), a stray tensor, a float8
+tensor under a plain name. The reference for "still loads" is the tiny checkpoint's own parameters.
 """
 import dataclasses
 import json

@@ -166,8 +166,8 @@ def test_scale_of_the_wrong_shape_is_refused(fp8_tensors, bad_dir):
     key = "model.layers.3.self_attn.q_proj.weight_scale_inv"
     t[key] = torch.ones(1, 1)                                   # q_proj is [256, 64]: needs [2, 1]
     d = _write(bad_dir / "shape", t, QCONFIG)
-    with pytest.raises(LoadError, match=r"q_proj.weight_scale_inv is float32 \[1, 1\] but layers.3.self_attn.q_proj.weight "
-                                        r"\[256, 64\] needs float32 \[2, 1\]"):
+    with pytest.raises(LoadError, match=r"q_proj.weight_scale_inv is float32 \[1, 1\] but "
+                                        r"layers.3.self_attn.q_proj.weight \[256, 64\] needs float32 \[2, 1\]"):
         load_model(d)
 
 
