@@ -27,13 +27,13 @@ from triton.backends.compiler import GPUTarget
 
 from .. import _registry
 from . import (attention_decode, attention_prefill, causal_conv, fused_moe, gdn_decode_step, gdn_prefill, linear,
-               norms, rope, sample)
+               linear_fp8, norms, rope, sample)
 
-MODULES = (attention_decode, attention_prefill, causal_conv, fused_moe, gdn_decode_step, gdn_prefill, linear, norms,
-           rope, sample)
+MODULES = (attention_decode, attention_prefill, causal_conv, fused_moe, gdn_decode_step, gdn_prefill, linear,
+           linear_fp8, norms, rope, sample)
 SMEM_LIMIT = 232448            # bytes per block on sm_90 (227 KiB opt-in)
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
-          torch.int32: "i32"}
+          torch.int32: "i32", torch.float8_e4m3fn: "fp8e4nv"}
 
 
 def cases(B: int):
@@ -53,6 +53,11 @@ def cases(B: int):
                                torch.empty(B, dtype=torch.int64, **m), 256 ** -0.5)
     yield "linear", (torch.empty(B, 2048, **bf), torch.empty(12352, 2048, **bf))
     yield "linear", (torch.empty(B, 4096, **bf), torch.empty(2048, 4096, **bf))
+    f8 = dict(dtype=torch.float8_e4m3fn, **m)
+    yield "linear_fp8", (torch.empty(B, 2048, **bf), torch.empty(12352, 2048, **f8),
+                         torch.empty(97, 16, dtype=torch.float32, **m))
+    yield "linear_fp8", (torch.empty(B, 4096, **bf), torch.empty(2048, 4096, **f8),
+                         torch.empty(16, 32, dtype=torch.float32, **m))
     yield "rms_norm", (torch.empty(B, 2048, **bf), torch.empty(2048, **bf), 1e-6)
     yield "add_rms_norm", (torch.empty(B, 2048, **bf), torch.empty(B, 2048, **bf), torch.empty(2048, **bf), 1e-6)
     yield "gated_rms_norm", (torch.empty(B * 32, 128, **bf), torch.empty(B * 32, 128, **bf), torch.empty(128, **bf), 1e-6)

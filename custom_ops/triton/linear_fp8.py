@@ -72,7 +72,7 @@ def _fp8_kernel(x, w, s, y, M, N, s_x_m, s_w_n, s_s_n, s_y_m, K: tl.constexpr, S
 # (BM, BN, BK, num_warps, num_stages) by M class: 1 (GEMV), 2..GEMV_MAX_M (dot, 16 rows), above (prefill).
 # Not yet tuned on the H100 (custom_ops/triton/linear.py's bf16 tiles were; these start from them with a
 # BK that divides the 128-column block where the dot path needs it).
-TILES = {"one": (1, 8, 256, 4, 3), "few": (16, 32, 128, 4, 4), "many": (64, 128, 128, 4, 3)}
+TILES = {"one": (1, 8, 256, 4, 3), "few": (16, 32, 128, 4, 4), "many": (64, 64, 128, 4, 3)}
 
 
 def tile(M: int, K: int) -> tuple[int, int, int, int, int]:
