@@ -136,8 +136,9 @@ def dequantize_unheld(tensors: dict[str, torch.Tensor], params: dict, dtype: tor
             check_pair(name, t, tensors[base + SCALE])
             out[base + SCALE] = tensors[base + SCALE]
     if n:
-        log.info("dequantized %d FP8 weights the kernels do not take as FP8 yet (routed/shared experts, lm_head, "
-                 "...) to %s at load: dtype(e4m3 * scale) per 128x128 block", n, str(dtype).replace("torch.", ""))
+        log.info("dequantized %d e4m3 weights to %s at load, dtype(e4m3 * scale) per 128x128 block: those the model "
+                 "does not run as FP8 (routed and shared experts, lm_head, ... until their kernels take FP8; every "
+                 "one with quant='none')", n, str(dtype).replace("torch.", ""))
     return out
 
 
