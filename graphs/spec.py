@@ -112,6 +112,18 @@ def _head_in(model, hidden, tokens):
     return ops.linear(torch.cat([e, h], -1), head.fc.weight)
 
 
+def mtp_catch_up(model: Qwen35Model, hidden, next_tokens, slot, start_pos, n_valid, *mtp_state):
+    """The head over committed positions start_pos..start_pos+T-1 of one slot (one prefill-like pass):
+    hidden [T, H] (h_t), next_tokens [T] (x_{t+1}), rows >= n_valid padding (their KV goes to the scratch
+    slot). Writes the head's KV rows of those positions. -> the head's final-normed output [T, H], whose
+    logits (model._logits) predict x_{t+2}: the training forward's MTP logits (tools/train_tiny.py)."""
+    def mixer(layer, x, st):
+        return layer.self_attn.prefill(x, slot, start_pos, n_valid, model.inv_freq, *st)
+
+    head = model.mtp
+    return _stack(model.cfg, head.layers, head.norm, _head_in(model, hidden, next_tokens), mtp_state, mixer)
+
+
 def mtp_draft(model: Qwen35Model, k: int, hidden, next_tokens, slot, start_pos, n_valid,
               temperature, top_k, top_p, seed, *mtp_state):
     """The MTP head drafts k tokens for one slot. -> drafts [k] int64.
@@ -140,11 +152,7 @@ def mtp_draft(model: Qwen35Model, k: int, hidden, next_tokens, slot, start_pos, 
     """
     head, cfg = model.mtp, model.cfg
     sampling = (temperature, top_k, top_p, seed)
-
-    def catch_up(layer, x, st):
-        return layer.self_attn.prefill(x, slot, start_pos, n_valid, model.inv_freq, *st)
-
-    y = _stack(cfg, head.layers, head.norm, _head_in(model, hidden, next_tokens), mtp_state, catch_up)
+    y = mtp_catch_up(model, hidden, next_tokens, slot, start_pos, n_valid, *mtp_state)
     q0 = start_pos + n_valid - 1                                              # [1]
     y = y.index_select(0, (n_valid - 1).clamp(min=0))                         # [1, H]
     drafts = [_sample(model._logits(y), sampling, q0 + 1)]

@@ -13,7 +13,7 @@ import torch
 from onegraph.custom_ops.sample import Sampling
 from onegraph.graphs.eager import generate_eager, i64
 from onegraph.graphs.qwen3_5 import new_state
-from onegraph.graphs.spec import generate_spec, prefill_hidden
+from onegraph.graphs.spec import generate_spec, mtp_catch_up, new_mtp_state, prefill_hidden
 
 N = 128
 PROMPT = list(b"def main(argv):\n    ")
@@ -21,10 +21,15 @@ V = 264
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory, one_thread):
-    from onegraph.graphs.load import load_model
+def checkpoint(tmp_path_factory, one_thread):
     from onegraph.tools.bench_spec import random_mtp_checkpoint
-    return load_model(random_mtp_checkpoint(tmp_path_factory.mktemp("mtp")), mtp=True)[1]
+    return random_mtp_checkpoint(tmp_path_factory.mktemp("mtp"))
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    from onegraph.graphs.load import load_model
+    return load_model(checkpoint, mtp=True)[1]
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +93,25 @@ def test_prefill_hidden_is_prefill(model):
     assert hidden.shape == (len(PROMPT), model.cfg.hidden_size)
     assert torch.equal(nxt, nxt2) and torch.equal(logits, logits2)
     assert all(torch.equal(a, b) for a, b in zip(st, st2))
+
+
+@torch.no_grad()
+def test_head_is_the_training_forward(model, checkpoint):
+    """The head's catch-up over a prompt gives the MTP logits of the training forward (tools/train_tiny.py:
+    the ops' references over whole windows, head position t on (h_t, x_{t+1}) at rotary position t), so
+    a head trained there drafts here as it was trained."""
+    from onegraph.graphs.load import load_model
+    from onegraph.tools.train_tiny import forward
+    tokens = PROMPT + [10, 32]
+    T = len(PROMPT)
+    unfused = load_model(checkpoint, mtp=True, fuse=False)[1]            # the training forward reads q/k/v_proj
+    _, want, _ = forward(unfused, torch.tensor([tokens]))                # [1, T, V]: predicts tokens[2:]
+    z, slot, sp = i64([0], "cpu"), i64([0], "cpu"), Sampling().tensors(1, "cpu")
+    _, _, hidden = prefill_hidden(model, i64(PROMPT, "cpu"), slot, z, i64([T], "cpu"), *sp,
+                                  *new_state(model.cfg, 1, 64, torch.float32))
+    y = mtp_catch_up(model, hidden, i64(tokens[1:T + 1], "cpu"), slot, z, i64([T], "cpu"),
+                     *new_mtp_state(model, 1, 64))
+    torch.testing.assert_close(model._logits(y), want[0], rtol=1e-4, atol=1e-4)
 
 
 def off_states(model, ids, max_seq_len):
