@@ -7,6 +7,8 @@ k) and wrong (acceptance 0) through the explicit `draft_fn` argument, at tempera
 committed state after every round equals the speculation-off state at the same length, position by
 position; and rows written from rejected tokens are inert: overwriting them with garbage changes nothing.
 """
+import itertools
+
 import pytest
 import torch
 
@@ -51,6 +53,12 @@ def forced(ref, wrong_after):
     return draft
 
 
+def cycling():
+    """wrong_after for `forced`: 0, 1, .., k, 0, 1, .. right drafts in successive rounds."""
+    calls = itertools.count()
+    return lambda p, k: next(calls) % (k + 1)
+
+
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_greedy_identical_with_the_head(model, ref, k):
     r = generate_spec(model, PROMPT, N, k)
@@ -77,8 +85,10 @@ def test_seeded_sampling_identical(model, k):
     """The target samples each position with the request's (seed, position) noise, as decode does, so
     speculation on gives speculation off's ids at temperature > 0 too (not only the same distribution)."""
     sp = Sampling(temperature=0.9, top_k=40, top_p=0.95, seed=11)
-    want = generate_eager(model, PROMPT, 64, sp).token_ids
-    assert generate_spec(model, PROMPT, 64, k, sp).token_ids == want
+    want = generate_eager(model, PROMPT, 64 + k, sp).token_ids
+    assert generate_spec(model, PROMPT, 64, k, sp).token_ids == want[:64]
+    r = generate_spec(model, PROMPT, 64, k, sp, draft_fn=forced(want, cycling()))
+    assert r.token_ids == want[:64] and len(set(r.accepted)) > 1        # partial acceptances, same ids
     assert generate_eager(model, PROMPT, 64, Sampling(0.9, 40, 0.95, 12)).token_ids != want  # the seed matters
 
 
@@ -138,7 +148,7 @@ def test_committed_state_equals_speculation_off(model, ref, k):
     n = 48
     names = [t.name for t in model.state_spec(1, 1, torch.float32)]
     want = off_states(model, ref, len(PROMPT) + n + k + 1)
-    for draft_fn in (None, forced(ref, lambda p, k: p % (k + 1))):
+    for draft_fn in (None, forced(ref, cycling())):
         seen = []
 
         def hook(L, state, mtp_state):
