@@ -26,7 +26,6 @@ from onegraph.graphs.load import load_model, model_dir
 from onegraph.graphs.weights import LoadError
 
 tf = pytest.importorskip("transformers")
-from transformers.integrations.finegrained_fp8 import Fp8Dequantize  # noqa: E402
 
 QUANTIZED = re.compile(r"^model\.layers\.\d+\.(linear_attn\.(in_proj_qkv|in_proj_z|out_proj)|self_attn\.[qkvo]_proj"
                        r"|mlp\.experts\.\d+\.(gate|up|down)_proj|mlp\.shared_expert\.(gate|up|down)_proj)\.weight$")
@@ -78,7 +77,10 @@ def fp8_dir(fp8_tensors, tmp_path_factory):
 
 
 def _hf_dequantized(tensors, dtype):
-    """transformers' own FP8 dequantization of every (weight, weight_scale_inv) pair."""
+    """transformers' own FP8 dequantization of every (weight, weight_scale_inv) pair. (Imported here, not at
+    collection: the module imports triton, which must not load before tests/triton_env.py sets the
+    interpreter mode for the Triton tests collected after this file.)"""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
     deq = Fp8Dequantize(None)
     out = {}
     for k, v in tensors.items():
