@@ -252,14 +252,17 @@ def test_cli_threads_allow_unused_weights_into_export_options(ckpts, tmp_path, m
     from onegraph import cli
     seen = {}
 
-    def fake_export(model, out, opts, progress):
+    def fake_export(model, out, opts, progress, **kwargs):
         seen["opts"] = opts
-        return {"out": str(out), "graphs": {}, "weights_bytes": 0, "seconds": 0, "timings_s": {}}
+        return {"out": str(out), "graphs": {}, "weights_bytes": 0, "seconds": 0, "timings_s": {}, "cached": [],
+                "workers": 0, "total_s": 0}
     monkeypatch.setattr(pipeline, "export", fake_export)
     assert cli.main(["export", str(ckpts["stray"]), "--out", str(tmp_path / "a"), "--allow-unused-weights"]) == 0
     assert seen["opts"].allow_unused_weights is True
     assert cli.main(["export", str(ckpts["stray"]), "--out", str(tmp_path / "a")]) == 0
-    assert seen["opts"].allow_unused_weights is False
+    assert seen["opts"].allow_unused_weights is False and seen["opts"].quant == "none"
+    assert cli.main(["export", str(ckpts["stray"]), "--out", str(tmp_path / "a"), "--quant", "fp8"]) == 0
+    assert seen["opts"].quant == "fp8"
 
 
 # ---------------------------------------------------------------- the command line
