@@ -145,7 +145,8 @@ def dequantize_unheld(tensors: dict[str, torch.Tensor], params: dict, dtype: tor
 @torch.no_grad()
 def quantize_model(model: torch.nn.Module) -> int:
     """`--quant fp8` on a loaded float model: every FP8_MODULE projection not in KEEP_FLOAT (and not FP8
-    already) becomes e4m3 + block scales. Runs before graphs/fuse.py concatenates. -> how many."""
+    already) becomes e4m3 + block scales, quantized from the loaded weight (already in the compute dtype:
+    a bf16 checkpoint's own values). Runs before graphs/fuse.py concatenates. -> how many."""
     n = 0
     for name, mod in model.named_modules():
         if not is_fp8_module(name) or KEEP_FLOAT.search(name) or mod.weight.dtype == FP8:
