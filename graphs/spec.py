@@ -21,8 +21,9 @@ as the non-speculative decode step draws it: the noise is keyed by the token's p
 count. So acceptance by equality (draft == target) emits the very tokens speculation-off emits, at
 temperature 0 (argmax) and at temperature > 0 alike: the output is token-identical, not only identically
 distributed, up to rounding: verify computes k+1 rows per matmul where decode computes one, so fp32 sums
-may differ in the last bits (state <= 6e-6 in tests/test_spec_eager.py) and a logit near-tie could flip. The drafts are sampled from the head's logits with the same (seed, position) noise, so at
-temperature > 0 head and target share their Gumbel noise and agree where their distributions are close.
+may differ in the last bits (state <= 6e-6 in tests/test_spec_eager.py) and a logit near-tie could flip.
+The drafts are sampled from the head's logits with the same (seed, position) noise, so at temperature > 0
+head and target share their Gumbel noise and agree where their distributions are close.
 This is not the residual-distribution rejection sampling of Leviathan et al.: its acceptance rate
 (P[draft == target] under shared noise) can be lower than sum_x min(p, q), but it needs no residual draw
 and keeps speculation-on equal to speculation-off token for token.
