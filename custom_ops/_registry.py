@@ -1,7 +1,7 @@
 """The op registry: every onegraph op, its schema version, its reference and its lowerings.
 
 An op is `torch.library.custom_op("onegraph::<name>")`, functional (returns new state, mutates
-nothing: ops declared with `mutates_args` hide from `run_decompositions`, see FACTS.md). Its eager
+nothing: ops declared with `mutates_args` hide from `run_decompositions`, see docs/design.md). Its eager
 implementation is the pure-torch reference, wrapped in a counter: an exported artifact must never
 call it (that would be a Python callback on every run), and tests assert the counter stays 0.
 

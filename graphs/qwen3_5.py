@@ -1,6 +1,6 @@
 """Qwen3.5/3.6 hybrid (Gated DeltaNet + gated full attention + MoE or dense MLP), written for tracing.
 
-Contract (ARCHITECTURE.md "Model graph"):
+Contract (why state is an input mutated in place: docs/design.md):
 - Parameters carry the HF names without the `model.` prefix (experts fused as gate_up_proj
   [E, 2I, H] and down_proj [E, H, I]), so weights.py is a key mapping and nothing more.
 - State is a flat list of tensors owned by the caller and mutated in place by both entry points,

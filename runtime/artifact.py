@@ -51,7 +51,7 @@ def tool_versions(backend: str) -> dict:
 
 
 def device_descriptor(device: torch.device) -> dict:
-    """What the graphs were specialised for (R16): recorded at export, checked at load."""
+    """What the graphs were specialised for: recorded at export, checked at load (docs/design.md)."""
     import platform
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)

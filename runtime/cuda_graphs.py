@@ -7,8 +7,8 @@ from the executor's `last_tok` (the ids sampled by the previous step, never thro
 scatters the new ids back. The state tensors are the executor's own (fixed addresses), so prefill
 graphs (run uncaptured) and every captured bucket share one state.
 
-Capture follows what was measured on the H200 image (FACTS.md): the package is loaded with
-`run_single_threaded=True`, captured on a side stream, and that stream is handed to
+Capture needs (docs/design.md, "CUDA-graph capture"): the package loaded with
+`run_single_threaded=True`, captured on a side stream, and that stream handed to
 `loader.run(inputs, stream)` as a PyCapsule of the cudaStream_t. Warm-up and capture point every
 row at the scratch slot, so no request's state is touched.
 """
@@ -142,9 +142,8 @@ class CapturedDecode:
         """Replay the graph of the last stage() -> outputs of n rows. `staged`: its bytes (the graph
         copies them in itself), or, without copy_in, a device buffer of them that is copied in here.
         graph: a tensor-parallel follower replays the graph the leader replays (it never stage()s), so
-        that each rank's captured NCCL collectives meet the peer's capture of the same graph. (Followers
-        used to replay graph 0 only while the leader alternated; TP-2 generate then stalled on 2xH200
-        after its first prefill. That this was the cause is not yet confirmed on the device.)"""
+        that each rank's captured NCCL collectives meet the peer's capture of the same graph (replaying
+        another graph would pair collectives of different captures)."""
         if graph is not None:
             self.flip = graph
         if not self.copy_in:

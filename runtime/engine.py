@@ -5,7 +5,7 @@ One engine thread owns the executor. Per step it: admits waiting requests into f
 (chunked prefill, which samples the first token in-graph), gathers every active slot's last token
 *on the device* (`last_tok[slots]`, never through the host), replays the decode graph of the
 smallest fitting bucket, scatters the sampled ids back into `last_tok`, queues a non-blocking copy
-of them to the host, and only then reads the ids of the *previous* step (R2/R4). Stop ids
+of them to the host, and only then reads the ids of the *previous* step (docs/design.md). Stop ids
 therefore act one step late; the overrun token of a stopped request is dropped, and the slot it
 dirtied is reset branch-free by the next prefill at position 0. Length limits are known on the
 host and never overrun.

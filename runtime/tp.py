@@ -7,7 +7,7 @@ sampling). Ranks > 0 (followers) sit in `follow()`; the inputs they pass to the 
 the received buffer (no copies), and they replay the same graph with their own state. Both sides
 then meet in the graph's own all-reduces.
 
-Issue #8 (1 TP run in 6 deadlocked; py-spy: a `pt_gloo_runloop` thread in runLoop -> ~AsyncWork ->
+Why `native()` exists (without it 1 TP run in 6 deadlocked; py-spy: a `pt_gloo_runloop` thread in runLoop -> ~AsyncWork ->
 TensorImpl::decref_pyobject -> gil_scoped_acquire, the main thread in loader.run -> all_reduce_ ->
 ProcessGroupGloo::enqueue -> pthread_mutex_lock): a gloo worker thread needs the GIL whenever it drops the last C++ reference to a tensor that has a Python object (torch must
 decref that object: TensorImpl::decref_pyobject), and it does so holding its group's work-queue

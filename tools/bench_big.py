@@ -77,8 +77,8 @@ def bytes_per_step(model, B: int) -> int:
 # kernel-name patterns -> region of the decode step (first match wins). Hand-written Triton kernels carry
 # their op's name (sampling: _scan_kernel, _pick_kernel); cuBLAS GEMMs are the projections (lm_head is told
 # apart as the largest one per step; the MoE router's GEMM is one of them); Inductor's generated kernels are
-# named after the aten ops they fuse. The router's torch.topk runs as aten's gatherTopK + bitonicSortKV
-# (these were counted as "sampling" until session 7: "sort" matched them).
+# named after the aten ops they fuse. The router's torch.topk runs as aten's gatherTopK + bitonicSortKV, a region
+# of its own: the sampling patterns name the sample op's two kernels exactly, so no sort is counted as sampling.
 REGIONS = (("moe", ("_moe_",)), ("moe_router_topk", ("topk", "bitonicsort")), ("gdn", ("_gdn_",)),
            ("attention", ("_attn", "attention")), ("norms", ("_rms", "norm")),
            ("sampling", ("_scan_kernel", "_pick_kernel")),

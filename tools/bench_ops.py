@@ -7,7 +7,7 @@ attention over a full 4k context) it measures, per implementation:
     replays graphs; and, as a second number, a plain eager loop (launch overhead included);
   - bytes the op must move at least (state rows, selected experts' weights, the KV it attends...)
     and the achieved GB/s, next to a device-to-device copy bandwidth measured in the same run
-    (read + write counted, as FACTS.md does);
+    (read + write counted, as docs/design.md does);
   - the max abs difference of the Triton output from the eager reference.
 Implementations: "triton" (torch.ops.onegraph.<op>_triton), "eager" (the reference), "compile"
 (torch.compile of the reference; its compile time is reported). Writes JSON to --out, with the exact
@@ -31,7 +31,7 @@ import torch
 OPS = ("gdn_decode_step", "fused_moe", "attention_decode")
 IMPLS = ("triton", "eager", "compile")
 
-# Qwen3.5-35B-A3B (FACTS.md)
+# Qwen3.5-35B-A3B (transformers Qwen3_5MoeTextConfig defaults)
 GDN = dict(HK=16, HV=32, K=128, V=128, W=4)
 MOE = dict(H=2048, E=256, I=512, Is=512, top_k=8)
 ATTN = dict(H=16, KVH=2, D=256)
