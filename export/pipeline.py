@@ -44,7 +44,7 @@ from .entry import graph_spec
 from .program import save_without_weights, weights_of
 from .staging import check_target, interruptible, publish, staging
 from .trace import trace
-from .workers import Done, LoweringPool, auto_jobs
+from .workers import Done, LoweringError, LoweringPool, auto_jobs
 
 TEXT_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 FIXTURE_PROMPTS = ([1, 2, 3], [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100], list(range(10, 40)))
@@ -157,14 +157,14 @@ def export(model_spec: str, out_dir: str | Path, opts: ExportOptions, progress: 
     check_divisible(cfg, opts.tp)
     if jobs is not None and jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
-    out = Path(out_dir)
+    out = Path(out_dir).absolute()                     # its name and parent name the staging directory
     check_target(out, force)                            # a foreign directory; an artifact without force
     with interruptible(), staging(out) as stage:
         s = _build(model_spec, stage, opts, progress, GraphCache(cache_dir) if cache_dir else None, jobs,
                    on_lower_start)
         load_manifest(stage, opts.device)               # every file's hash, before it becomes --out
         publish(stage, out, force)
-    return dict(s, out=str(out), total_s=round(time.time() - t0, 1))
+    return dict(s, out=str(out_dir), total_s=round(time.time() - t0, 1))
 
 
 def lowering_order(specs: list[tuple[str, int]]) -> list[tuple[str, int]]:
@@ -237,7 +237,12 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
                         continue
                     program = work / f"{tag.replace('/', '.')}.program.pt2"
                     if cache is not None or n_jobs > 1:
-                        save_without_weights(ep, program)
+                        try:
+                            save_without_weights(ep, program)
+                        except Exception as e:      # e.g. an op torch.export cannot serialize
+                            raise LoweringError(f"saving the traced program of {tag} failed ({type(e).__name__}: "
+                                                f"{e}); `--jobs 1 --no-cache` lowers it in this process without "
+                                                f"saving it") from e
                     t_trace[tag] = time.time() - t
                     if cache is not None:
                         keys[tag] = graph_key(program, weights_sha, dest.name, lowering, device_desc)
