@@ -1,8 +1,11 @@
-"""The builtin `tiny` model: a 4-layer Qwen3.5-MoE (3 GDN + 1 attention, 8 experts top-2) with
-deterministic seeded random weights and a byte-level tokenizer — no download, ever.
+"""The builtin `tiny` model: a 4-layer Qwen3.5-MoE (3 GDN + 1 attention, 8 experts top-2 + a shared
+expert, hidden 128) with an MTP head, trained on the Python standard library's own source
+(tools/train_tiny.py; PSF License corpus), and a byte-level tokenizer — no download, ever.
 
-`write_tiny(dir)` writes it as an HF-format checkpoint (config.json, model.safetensors with
-per-expert keys as on the hub, tokenizer.json, tokenizer_config.json with a chat template).
+The trained weights ship inside the package (tiny_weights/model.safetensors, 6.2 MB fp32, hub names,
+per-expert keys, `mtp.*`); `write_tiny(dir)` writes them as an HF-format checkpoint with config.json,
+tokenizer.json and tokenizer_config.json (chat template). `random_hf_weights` gives seeded random
+weights of any Qwen35Model shape for tests.
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 VOCAB = 256 + len(SPECIAL) + len(ADDED)      # 264: bytes, then special and added tokens
 EOS_IDS = [256, 258]                          # <|endoftext|>, <|im_end|>
+# tools/train_tiny.py's output, shipped as package data (pyproject.toml)
+TINY_WEIGHTS = Path(__file__).resolve().parent / "tiny_weights" / "model.safetensors"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -25,21 +30,21 @@ TINY_HF_CONFIG = {
     "architectures": ["Qwen3_5MoeForCausalLM"],
     "model_type": "qwen3_5_moe_text",
     "vocab_size": VOCAB,
-    "hidden_size": 64,
+    "hidden_size": 128,
     "num_hidden_layers": 4,
     "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 32,
     "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
     "linear_num_key_heads": 2,
     "linear_num_value_heads": 4,
     "num_experts": 8,
     "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
     "mtp_num_hidden_layers": 1,                 # the MTP head (graphs/mtp.py), `mtp.*` keys
     "hidden_act": "silu",
     "rms_norm_eps": 1e-6,
@@ -133,13 +138,10 @@ def write_checkpoint(out_dir: str | Path, tensors: dict[str, torch.Tensor],
     return out
 
 
-def write_tiny(out_dir: str | Path, seed: int = 0) -> Path:
-    from .config import ModelConfig
-    from .qwen3_5 import Qwen35Model
-    cfg = ModelConfig.from_hf(TINY_HF_CONFIG)
-    with torch.device("meta"):
-        model = Qwen35Model(cfg)
-    return write_checkpoint(out_dir, random_hf_weights(model, seed))
+def write_tiny(out_dir: str | Path) -> Path:
+    """The builtin tiny checkpoint (the shipped trained weights) as an HF-format directory."""
+    from safetensors.torch import load_file
+    return write_checkpoint(out_dir, load_file(str(TINY_WEIGHTS)))
 
 
 # The Qwen3.5-35B-A3B text shape (transformers Qwen3_5MoeTextConfig defaults; FACTS.md), for benchmarks

@@ -88,12 +88,13 @@ def test_wrong_shape_names_key_and_both_shapes(tmp_path, tiny_tensors, key, bad_
 
 def test_wrong_shape_per_expert_tensor_names_key(tmp_path, tiny_tensors):
     t = dict(tiny_tensors)
-    t["model.layers.1.mlp.experts.5.gate_proj.weight"] = torch.zeros(31, 64)     # [I, H] = [32, 64] expected
+    I, H = TINY_HF_CONFIG["moe_intermediate_size"], TINY_HF_CONFIG["hidden_size"]
+    t["model.layers.1.mlp.experts.5.gate_proj.weight"] = torch.zeros(I - 1, H)     # [I, H] expected
     write_ckpt(tmp_path, t)
     with pytest.raises(LoadError) as e:
         load_model(tmp_path)
     msg = str(e.value)
-    assert "experts.5.gate_proj" in msg and "31" in msg and "32" in msg, msg
+    assert "experts.5.gate_proj" in msg and str([I - 1, H]) in msg and str([I, H]) in msg, msg
 
 
 def test_unknown_model_type_names_model_type(tmp_path, tiny_tensors):
@@ -248,7 +249,9 @@ def test_config_derived_fields():
     cfg = ModelConfig.from_hf(TINY_HF_CONFIG)
     assert cfg.gdn_layers == [0, 1, 2] and cfg.attn_layers == [3]
     assert cfg.rotary_dim == 8                                   # 32 * 0.25
-    assert cfg.conv_dim == 2 * 2 * 16 + 4 * 16
+    hf = TINY_HF_CONFIG                                          # q and k per key head, v per value head
+    assert cfg.conv_dim == (2 * hf["linear_num_key_heads"] * hf["linear_key_head_dim"]
+                            + hf["linear_num_value_heads"] * hf["linear_value_head_dim"])
     assert cfg.eos_token_ids == tuple(TINY_HF_CONFIG["eos_token_id"])
     # full_attention_interval in place of explicit layer_types
     c2 = ModelConfig.from_hf(hf_cfg(layer_types=None, num_hidden_layers=6, full_attention_interval=3))
