@@ -21,7 +21,7 @@ sees the runs' outputs concatenated (ConcatProj; a run of one is the plain proje
 Requantizing a straddling block instead would change the checkpoint's values. Shapes:
   35B  GDN  qkv 8192 | z 4096 FP8, b 32 | a 32 bf16 (kept float) -> [qkv; z] + [b; a]
        attn q 8192 | k 512 | v 512 FP8 (all whole blocks)      -> [q; k; v]
-  tiny GDN  qkv 128 | z 64 FP8, b 4 | a 4 float                  -> [qkv; z] + [b; a]
+  tiny GDN  qkv 256 | z 128 FP8, b 4 | a 4 float                 -> [qkv; z] + [b; a]
        attn q 256 | k 64 | v 64 FP8 (k is half a block)        -> [q; k] + [v]
 """
 from __future__ import annotations

@@ -107,7 +107,7 @@ def test_fp8_checkpoint_loads_fp8_projections_and_dequantized_experts(fp8_model,
     fp8 = {n for n, p in fp8_model.named_parameters() if p.dtype == torch.float8_e4m3fn}
     assert "layers.0.linear_attn.in_proj.runs.0.weight" in fp8        # [qkv; z] e4m3, [b; a] float
     assert gdn.in_proj.runs[1].weight.dtype == torch.float32
-    assert attn.qkv_proj.runs[0].weight.shape == (320, 64)            # [q; k]: q is whole blocks, k is not
+    assert attn.qkv_proj.runs[0].weight.shape[0] == 320               # [q; k]: q (256) is whole blocks, k (64) not
     assert "layers.3.self_attn.o_proj.weight" in fp8 and len(fp8) == 3 * 2 + 1 + 2
     hf = _hf_dequantized(fp8_tensors, torch.float32)
     gate_up = torch.cat([hf["model.layers.0.mlp.experts.5.gate_proj.weight"],
@@ -115,8 +115,8 @@ def test_fp8_checkpoint_loads_fp8_projections_and_dequantized_experts(fp8_model,
     assert torch.equal(fp8_model.layers[0].mlp.experts.gate_up_proj[5], gate_up)
     assert torch.equal(fp8_model.layers[0].mlp.shared_expert.down_proj.weight,
                        hf["model.layers.0.mlp.shared_expert.down_proj.weight"])
-    assert torch.equal(gdn.in_proj.runs[0].weight[:128].view(torch.uint8),
-                       fp8_tensors["model.layers.0.linear_attn.in_proj_qkv.weight"].view(torch.uint8))
+    qkv = fp8_tensors["model.layers.0.linear_attn.in_proj_qkv.weight"]
+    assert torch.equal(gdn.in_proj.runs[0].weight[:qkv.shape[0]].view(torch.uint8), qkv.view(torch.uint8))
 
 
 def test_fp8_checkpoint_matches_transformers_dequantized_model(fp8_model, dequantized_dir):
@@ -166,10 +166,10 @@ def bad_dir(fp8_tensors, tmp_path_factory):
 def test_scale_of_the_wrong_shape_is_refused(fp8_tensors, bad_dir):
     t = dict(fp8_tensors)
     key = "model.layers.3.self_attn.q_proj.weight_scale_inv"
-    t[key] = torch.ones(1, 1)                                   # q_proj is [256, 64]: needs [2, 1]
+    t[key] = torch.ones(1, 1)                                   # q_proj is [256, 128]: needs [2, 1]
     d = _write(bad_dir / "shape", t, QCONFIG)
     with pytest.raises(LoadError, match=r"q_proj.weight_scale_inv is float32 \[1, 1\] but "
-                                        r"layers.3.self_attn.q_proj.weight \[256, 64\] needs float32 \[2, 1\]"):
+                                        r"layers.3.self_attn.q_proj.weight \[256, 128\] needs float32 \[2, 1\]"):
         load_model(d)
 
 
