@@ -188,12 +188,10 @@ def test_concurrent_exports_and_a_byte_identical_reuse(tmp_path):
     entries = sorted(cache.glob("*/*/graph.pt2"))
     assert len(entries) == 2
 
-    t = time.time()
     r = subprocess.run(cli("export", "tiny", "--out", tmp_path / "c", *SMALL, "--cache-dir", cache, "--quiet"),
                        capture_output=True, text=True, env=ENV, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "2 graphs: 0 lowered, 2 reused from the cache" in r.stdout, r.stdout
-    assert time.time() - t < 120
+    assert "2 graphs: 0 lowered, 2 reused from the cache" in r.stdout, r.stdout      # nothing compiled
     cached = {e.read_bytes() for e in entries}
     m = {n: json.loads((tmp_path / n / "manifest.json").read_text()) for n in "ac"}
     for rel in m["c"]["files"]:
