@@ -89,6 +89,10 @@ def case_fused_moe(g):
             g.m(1, H, scale=H ** -0.5), 2]
 
 
+def case_linear(g):
+    return [g.m(5, H), g.m(IS, H, scale=H ** -0.5)]
+
+
 def case_linear_f32(g):
     return [g.m(5, H), g.m(IS, H, scale=H ** -0.5)]
 
@@ -202,6 +206,8 @@ VALIDATION = [
     ("fused_moe", 3, torch.zeros(E, H, I + 1), f"fused_moe down: expected shape [{E}, {H}, {I}]"),
     ("fused_moe", 1, torch.zeros(E - 1, H), f"fused_moe router_w: expected shape [{E}, {H}]"),
     ("fused_moe", 7, torch.zeros(H), f"fused_moe shared_gate_w: expected shape [1, {H}]"),
+    ("linear", 1, torch.zeros(IS, H + 1), f"linear w: expected shape [*, {H}]"),
+    ("linear", 0, torch.zeros(H), "linear x: expected shape [*, *]"),
     ("linear_f32", 1, torch.zeros(IS, H + 1), f"linear_f32 w: expected shape [*, {H}]"),
     ("linear_f32", 0, torch.zeros(H), "linear_f32 x: expected shape [*, *]"),
     ("linear_fp8", 2, torch.zeros(1, 2), "linear_fp8 scale (one per 128x128 block of w): expected shape [2, 2]"),
