@@ -144,7 +144,7 @@ def write_tiny(out_dir: str | Path) -> Path:
     return write_checkpoint(out_dir, load_file(str(TINY_WEIGHTS)))
 
 
-# The Qwen3.5-35B-A3B text shape (transformers Qwen3_5MoeTextConfig defaults; FACTS.md), for benchmarks
+# The Qwen3.5-35B-A3B text shape (transformers Qwen3_5MoeTextConfig defaults), for benchmarks
 # with seeded random weights built on the device — never shipped, never downloaded.
 QWEN35_35B_A3B_HF_CONFIG = {
     "model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,

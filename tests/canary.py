@@ -1,4 +1,4 @@
-"""The repeated canaries (LESSONS.md: failures showed only after 21-60 repeats): two byte-token
+"""The repeated canaries (replay corruption elsewhere showed only after 21-60 repeats): two byte-token
 prompts, each repeated under continuous batching with staggered admission, varying lengths and
 sampled noise neighbours; every repeat is compared with its solo reference stream."""
 import asyncio

@@ -6,8 +6,8 @@ tests/test_cuda_tp.py`, an estimated 6-8 minutes; not yet run on GPUs); skipped 
   (up to a near-tie, the fixture's rule), and its load-time fixture within the fp32 bound;
 - TP-2 bf16 vs the TP-1 bf16 artifact, 64 tokens: by default they may part only where TP-1's top two
   logits are within the bf16 bound (the all-reduce sums rounded partials); with --fp32-reduce only at a
-  near-exact tie (1/32). The first differing step and its gap are printed either way (issue #8 asks
-  for them);
+  near-exact tie (1/32). The first differing step and its gap are printed either way (they tell a
+  near-tie from a bug);
 - `torchrun serve`: 4 requests, 2 in flight on 2 slots (decode buckets 1 and 2, each two captured
   graphs), each gets `torchrun generate`'s ids; SIGTERM ends both ranks without a traceback;
 - tools/lockstep under torchrun: each rank's bf16 graphs match its own eager shard, teacher-forced, up

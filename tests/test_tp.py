@@ -9,7 +9,7 @@
 - bf16 TP-2 with fp32_reduce gives TP-1's (fp32_reduce) greedy ids up to an exact top-2 tie; without
   it TP-2 leaves TP-1 within a few tokens;
 - a TP-2 fp32 `tiny` artifact (one export shared by the module) replayed by `torchrun -m onegraph
-  generate`: greedy ids == TP-1 eager for 32 tokens (issue #8: this used to deadlock 1 run in 6);
+  generate`: greedy ids == TP-1 eager for 32 tokens (a GIL-holding runner deadlocked 1 run in 6);
   served by `torchrun -m onegraph serve` (rank 0 serves, rank 1 follows): two concurrent requests get
   TP-1's ids and SIGTERM ends both ranks without a traceback; launched as two torchrun "nodes" of one
   rank each (the multi-node form, on one host) it gives TP-1's ids; `torchrun -m onegraph bench` times it;
@@ -326,7 +326,7 @@ def test_tp2_bf16_fp32_reduce_artifact_gives_tp1_artifact_ids(tmp_path):
 
 
 def test_tp4_artifact_replay_matches_tp1(tiny, tmp_path):
-    """TP-4 on 4 CPU processes (issue #9's CPU part): tiny's 2 KV heads and 2 GDN key heads are replicated
+    """TP-4 on 4 CPU processes (the CPU part of the TP-4 check): tiny's 2 KV heads and 2 GDN key heads are replicated
     across the 4 ranks. Its own export: 4 ranks x 2 graphs, about 3 minutes on 2 cores."""
     from onegraph.export.pipeline import ExportOptions, export
     _, model = tiny
@@ -337,7 +337,7 @@ def test_tp4_artifact_replay_matches_tp1(tiny, tmp_path):
 
 def test_tp2_lockstep_every_rank_matches_its_eager_shard(tp2_artifact, tmp_path):
     """tools/lockstep.py under torchrun: each rank's graphs vs an eager model of its own weight shard,
-    teacher-forced, every state tensor compared per step (the rung that localised issue #8's 2xH200
+    teacher-forced, every state tensor compared per step (the rung that localised a 2xH200
     failure to TP-2 eager rounding rather than the graphs)."""
     out = tmp_path / "lockstep{rank}.json"
     r = subprocess.run(torchrun(tp2_artifact, "--steps", 6, "--out", out, module="onegraph.tools.lockstep"),

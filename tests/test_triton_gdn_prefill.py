@@ -280,10 +280,10 @@ print("AOTI OK")
 def test_aoti_package(tmp_path):
     """The lowering compiled into an AOTInductor package (T static) runs, matches eager and writes the
     state in place without calling Python. A subprocess: on the H200 image loading a package segfaults
-    unless LD_PRELOAD names the system libstdc++ (FACTS.md)."""
+    unless LD_PRELOAD names the system libstdc++ (docs/design.md)."""
     script = tmp_path / "aoti.py"
     script.write_text(_AOTI_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900)
     hint = "" if res.returncode != -11 else (
-        "\nSIGSEGV: run with LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6) (FACTS.md)")
+        "\nSIGSEGV: run with LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6) (docs/design.md)")
     assert res.returncode == 0 and "AOTI OK" in res.stdout, res.stdout[-3000:] + res.stderr[-6000:] + hint
