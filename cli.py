@@ -127,6 +127,19 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from onegraph.tools.eval import evaluate
+    res = evaluate(args.model, args.text, args.max_tokens, args.ctx, args.batch, args.dtype, args.device,
+                   progress=True)
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(f"{res['model']} ({res['mode']}, {res['dtype']}): {res['bits_per_byte']:.4f} bits/byte, perplexity "
+              f"{res['perplexity']:.4f} over {res['tokens']} tokens ({res['bytes']} bytes, {res['windows']} windows "
+              f"of {res['ctx']}) of {res['text']}")
+    return 0
+
+
 def prompt_ids(args, model_dir: Path, vocab: int):
     tok = load_tokenizer(model_dir) if (args.prompt is not None or (model_dir / "tokenizer.json").is_file()) else None
     if args.prompt is not None:
@@ -350,6 +363,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "checkpoint directory's config, tensor census and whether it loads")
     p.add_argument("artifact", help="an exported artifact, a HF-format checkpoint directory, or `tiny`")
     p.set_defaults(fn=cmd_inspect)
+
+    p = sub.add_parser("eval", help="bits per byte and perplexity of a model or an artifact on a text (teacher-forced)")
+    from onegraph.tools.eval import add_args as eval_args
+    eval_args(p)
+    p.set_defaults(fn=cmd_eval)
 
     p = sub.add_parser("serve", help="serve an artifact over an OpenAI-compatible HTTP API")
     p.add_argument("artifact")
