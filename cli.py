@@ -1,4 +1,4 @@
-"""The `onegraph` command line: init-tiny, generate (more subcommands arrive with export/runtime).
+"""The `onegraph` command line: init-tiny, generate, export, bench, inspect, eval, serve.
 
 User errors (missing directory, bad ids, unknown model_type, bad artifact) print one line to
 stderr and exit 2 — never a traceback.
