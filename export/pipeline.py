@@ -198,6 +198,12 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
     n_jobs = 1 if opts.backend != "aoti" else jobs or auto_jobs(n_graphs, dev)
     work = stage / ".work"                              # programs and worker logs, removed before the manifest
     work.mkdir()
+    # the fixture before any lowering worker gets the weights: sending them moves their storage into shared
+    # memory (page-aligned), and MKL's fp32 GEMM sums in an order that depends on its operands' alignment (a
+    # misaligned copy of tiny's weights moves its fixture logits by 3.8e-6), so a fixture recorded after a
+    # worker started would depend on when it started and a re-export would not reproduce it byte for byte
+    bar.set_postfix_str("fixture")
+    save_file(fixture(model, opts.max_seq_len), str(stage / "fixture.safetensors"))   # TP-1 eager: the truth
     pool, t_trace = None, {}
 
     def finished(done: list[Done]) -> None:
@@ -264,8 +270,6 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
                         shared = True
                     pool.submit(tag, r, program, dest, opts.eager_rounding)
                     finished(pool.poll(0))
-        bar.set_postfix_str("fixture")
-        save_file(fixture(model, opts.max_seq_len), str(stage / "fixture.safetensors"))   # TP-1 eager: the truth
         while pool is not None and pool.pending:
             bar.set_postfix_str("lower " + ", ".join(pool.running()))
             finished(pool.poll(1.0))
