@@ -71,16 +71,24 @@ def new_mtp_state(model: Qwen35Model, slots: int, max_seq_len: int, device="cpu"
             for t in mtp_state_spec(model.cfg, len(model.mtp.layers), slots, max_seq_len, dtype)]
 
 
-def _stack(cfg, layers, final_norm, h, state, mixer):
-    """Qwen35Model._layers over `layers` (TP-1): h [N, H] residual stream -> final-normed [N, H]."""
-    eps, it = cfg.rms_norm_eps, iter(state)
-    x = ops.rms_norm(h, layers[0].input_layernorm.weight, eps)
-    for li, layer in enumerate(layers):
-        mixed = mixer(layer, x, (next(it), next(it)))
-        x, h = ops.add_rms_norm(mixed, h, layer.post_attention_layernorm.weight, eps)
-        nxt = layers[li + 1].input_layernorm.weight if li + 1 < len(layers) else final_norm.weight
-        x, h = ops.add_rms_norm(layer.mlp(x), h, nxt, eps)
-    return x
+class _Stack:
+    """The model seen with another layer stack: `layers` and `norm` replaced, every other attribute the
+    model's own. So Qwen35Model._layers (the decoder loop: norms, residual adds, MLPs) runs the MTP head's
+    layers too, and a change to that loop reaches the head without a copy of it here."""
+
+    def __init__(self, model, layers, norm):
+        self._model, self.layers, self.norm = model, layers, norm
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def _stack(model, layers, final_norm, h, state, mixer):
+    """Qwen35Model._layers over `layers` (the main model's, or the head's with its final norm):
+    h [N, H] residual stream -> final-normed [N, H]; mixer(layer, normed, layer_state) -> token-mixer output."""
+    if layers is model.layers:
+        return model._layers(h, state, mixer)
+    return type(model)._layers(_Stack(model, layers, final_norm), h, state, mixer)
 
 
 def _sample(logits, sampling, positions):
@@ -99,7 +107,7 @@ def prefill_hidden(model: Qwen35Model, tokens, slot, start_pos, n_valid, tempera
             return layer.linear_attn.prefill(x, slot, start_pos, n_valid, *st)
         return layer.self_attn.prefill(x, slot, start_pos, n_valid, model.inv_freq, *st)
 
-    x = _stack(model.cfg, model.layers, model.norm, model.embed_tokens(tokens), state, mixer)   # [T, H]
+    x = _stack(model, model.layers, model.norm, model.embed_tokens(tokens), state, mixer)   # [T, H]
     logits = model._logits(x.index_select(0, (n_valid - 1).clamp(min=0)))
     nxt = _sample(logits, (temperature, top_k, top_p, seed), start_pos + n_valid - 1)
     return nxt, logits, x
@@ -123,7 +131,7 @@ def mtp_catch_up(model: Qwen35Model, hidden, next_tokens, slot, start_pos, n_val
         return layer.self_attn.prefill(x, slot, start_pos, n_valid, model.inv_freq, *st)
 
     head = model.mtp
-    return _stack(model.cfg, head.layers, head.norm, _head_in(model, hidden, next_tokens), mtp_state, mixer)
+    return _stack(model, head.layers, head.norm, _head_in(model, hidden, next_tokens), mtp_state, mixer)
 
 
 def mtp_draft(model: Qwen35Model, k: int, hidden, next_tokens, slot, start_pos, n_valid,
@@ -152,7 +160,7 @@ def mtp_draft(model: Qwen35Model, k: int, hidden, next_tokens, slot, start_pos, 
     Draft token d_i is sampled with the noise of position q0+i, the position the target samples x_{q0+i+1}
     at (see the module docstring); at temperature 0 it is the head's argmax.
     """
-    head, cfg = model.mtp, model.cfg
+    head = model.mtp
     sampling = (temperature, top_k, top_p, seed)
     y = mtp_catch_up(model, hidden, next_tokens, slot, start_pos, n_valid, *mtp_state)
     q0 = start_pos + n_valid - 1                                              # [1]
@@ -164,7 +172,7 @@ def mtp_draft(model: Qwen35Model, k: int, hidden, next_tokens, slot, start_pos, 
         def step(layer, x, st, pos=pos):
             return layer.self_attn.decode(x, slot, pos, model.inv_freq, *st)
 
-        y = _stack(cfg, head.layers, head.norm, _head_in(model, y, drafts[-1]), mtp_state, step)
+        y = _stack(model, head.layers, head.norm, _head_in(model, y, drafts[-1]), mtp_state, step)
         drafts.append(_sample(model._logits(y), sampling, q0 + i))
     return torch.cat(drafts)
 
@@ -194,6 +202,11 @@ def _gdn_verify(attn, x, slot, conv, rec):
     return attn._finish(torch.cat(cores), z), torch.cat(convs), torch.cat(recs)
 
 
+def kv_len(model: Qwen35Model, state) -> int:
+    """Tmax, the KV cache's length (max_seq_len), from the first full-attention layer's k_cache."""
+    return state[2 * model.cfg.layer_types.index("full_attention")].shape[2]
+
+
 def accept(drafts, targets):
     """drafts [k], targets [k+1] -> n_accepted [1] int64: the longest prefix with drafts[j] == targets[j]."""
     k = drafts.shape[0]
@@ -204,7 +217,10 @@ def verify(model: Qwen35Model, last_token, drafts, slot, start_pos, temperature,
     """The main model over [last_token, d1..dk] of one slot at positions start_pos..start_pos+k, then accept
     and commit. -> (targets [k+1] int64, n_accepted [1] int64, hidden [k+1, H], logits [k+1, V] fp32).
     The round emits targets[:n_accepted+1]; the slot's committed length becomes start_pos+n_accepted+1.
-    Caller: start_pos >= 1 (the prompt is prefilled first) and start_pos + k < the KV cache's Tmax.
+    Caller: start_pos >= 1 (the prompt is prefilled first). KV bound: rows at positions >= the KV cache's
+    Tmax are inert, as prefill padding is: their KV writes go to the scratch slot (n_valid below), so no
+    position past max_seq_len is ever written; their targets are not usable, and a caller that keeps a
+    request within max_seq_len never emits one (the last target it needs is at position max_seq_len - 2).
 
     GDN layers: per-position snapshots (_gdn_verify), the slot's conv / rec set to the snapshot after
     position start_pos+n_accepted once the targets are known. Attention layers write KV rows
@@ -214,7 +230,7 @@ def verify(model: Qwen35Model, last_token, drafts, slot, start_pos, temperature,
     so no query ever reads a row written from a rejected token."""
     tokens = torch.cat([last_token, drafts])                                  # [T] = [k+1]
     T = tokens.shape[0]
-    n_valid = torch.full_like(start_pos, T)
+    n_valid = (kv_len(model, state) - start_pos).clamp(0, T)                  # rows inside the KV cache
     snaps = []
 
     def mixer(layer, x, st):
@@ -224,7 +240,7 @@ def verify(model: Qwen35Model, last_token, drafts, slot, start_pos, temperature,
             return out
         return layer.self_attn.prefill(x, slot, start_pos, n_valid, model.inv_freq, *st)
 
-    hidden = _stack(model.cfg, model.layers, model.norm, model.embed_tokens(tokens), state, mixer)  # [T, H]
+    hidden = _stack(model, model.layers, model.norm, model.embed_tokens(tokens), state, mixer)  # [T, H]
     logits = model._logits(hidden)                                            # [T, V]
     positions = start_pos + torch.arange(T, device=tokens.device)
     targets = _sample(logits, (temperature, top_k, top_p, seed), positions)
