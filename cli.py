@@ -50,6 +50,11 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     """Artifact replay options shared by generate and serve."""
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="CUDA: call the lowered decode graphs directly instead of replaying captured CUDA graphs")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--no-speculation", dest="speculation", action="store_const", const=False, default=None,
+                   help="decode one token per step even if the artifact has speculative (MTP draft / verify) graphs")
+    g.add_argument("--speculation", dest="speculation", action="store_const", const=True,
+                   help="require the artifact's speculative graphs (the default uses them where present)")
     p.add_argument("--tp-timeout", type=float, default=300.0,
                    help="tensor parallel (under torchrun): seconds a rank waits in a collective for a peer "
                         "before it fails")
@@ -88,6 +93,14 @@ def parse_buckets(text: str, flag: str) -> tuple[int, ...]:
     return vals
 
 
+def spec_tokens(k: int | None) -> int:
+    """--speculative-tokens: absent -> 0 (no speculative graphs); given, it must be in 1..4."""
+    from onegraph.graphs.spec import MAX_SPECULATIVE_TOKENS
+    if k is not None and not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise UserError(f"--speculative-tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, got {k}")
+    return k or 0
+
+
 def cmd_export(args) -> int:
     from onegraph.export.pipeline import DEFAULT_CACHE_DIR, ExportOptions, export, summary_text
     opts = ExportOptions(device=args.device, dtype=args.dtype, backend=args.backend,
@@ -95,7 +108,8 @@ def cmd_export(args) -> int:
                          prefill_chunks=parse_buckets(args.prefill_chunks, "--prefill-chunks"),
                          max_seq_len=args.max_seq_len, tp=args.tp, kernels=args.kernels,
                          eager_rounding=not args.fused_rounding, fp32_reduce=args.fp32_reduce,
-                         allow_unused_weights=args.allow_unused_weights, quant=args.quant)
+                         allow_unused_weights=args.allow_unused_weights, quant=args.quant,
+                         speculative_tokens=spec_tokens(args.speculative_tokens))
     from onegraph.export.staging import ExportInterrupted
     from onegraph.export.workers import LoweringError
     try:
@@ -172,6 +186,8 @@ def cmd_generate(args) -> int:
             raise UserError("--allow-unused-weights applies to --eager (and export); an artifact holds only the "
                             "weights it uses")
         return generate_artifact(args)
+    if args.speculation is not None:
+        raise UserError("--speculation / --no-speculation apply to an artifact (export it with --speculative-tokens K)")
     import torch
     from onegraph.graphs.eager import SamplingParams, generate_eager
     from onegraph.graphs.load import load_model
@@ -227,7 +243,8 @@ def generate_artifact(args) -> int:
     code = tp_follow(args, args.model, max_slots=1)
     if code is not None:
         return code
-    engine = Engine.from_artifact(args.model, max_slots=1, device=args.device, cuda_graphs=args.cuda_graphs)
+    engine = Engine.from_artifact(args.model, max_slots=1, device=args.device, cuda_graphs=args.cuda_graphs,
+                                  speculation=args.speculation)
     try:
         cfg = engine.ex.manifest["model"]
         ids, tok = prompt_ids(args, Path(args.model), cfg["vocab_size"])
@@ -240,7 +257,7 @@ def generate_artifact(args) -> int:
         print(f"onegraph generate: error: the engine failed: {engine.error}", file=sys.stderr)
         return 1
     emit(args, ids, res.token_ids, res.finish_reason, tok, "artifact",
-         {"fixture": engine.ex.fixture_report, "timings": res.timings})
+         {"fixture": engine.ex.fixture_report, "timings": res.timings, "speculation": res.speculation})
     return 0
 
 
@@ -261,7 +278,7 @@ def cmd_serve(args) -> int:
     if code is not None:
         return code
     engine = Engine.from_artifact(args.artifact, max_slots=args.max_slots, max_queue=args.max_queue,
-                                  device=args.device, cuda_graphs=args.cuda_graphs)
+                                  device=args.device, cuda_graphs=args.cuda_graphs, speculation=args.speculation)
     name = args.served_model_name or Path(args.artifact).resolve().name
     app = create_app(engine, name, api_key=args.api_key)
     srv = app.state.server
@@ -342,6 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dense projections' weights in the artifact: none (--dtype; an FP8 checkpoint is "
                         "dequantized) or fp8 (e4m3 with 128x128 block scales, weight-only: a float checkpoint is "
                         "quantized, an FP8 one kept as it is); recorded in the manifest")
+    p.add_argument("--speculative-tokens", type=int, default=None, metavar="K",
+                   help="also export speculative graphs: the checkpoint's MTP head drafts K (1..4) tokens per round, "
+                        "verified by the model in one pass (a checkpoint with mtp.* weights; --backend aoti, --tp 1)")
     add_allow_unused_arg(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--force", action="store_true", help="replace an existing artifact at --out")

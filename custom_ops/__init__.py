@@ -16,5 +16,6 @@ from .linear import linear  # noqa: F401
 from .linear_f32 import linear_f32  # noqa: F401
 from .linear_fp8 import linear_fp8  # noqa: F401
 from .rms_norm import rms_norm  # noqa: F401
+from .qk_norm_rope import qk_norm_rope  # noqa: F401
 from .rope import rope  # noqa: F401
 from .sample import sample  # noqa: F401

@@ -65,6 +65,7 @@ class ExportOptions:
     fp32_reduce: bool = False                  # row-parallel outputs in fp32, all-reduced, rounded once (TP-invariant)
     allow_unused_weights: bool = False         # load even if the checkpoint holds tensors the model does not consume
     quant: str = "none"                        # dense projections' weights: none (model dtype) | fp8 (graphs/quant.py)
+    speculative_tokens: int = 0                # > 0: MTP draft + verify graphs of k drafts (graphs/spec_graphs.py)
 
     def validate(self, max_positions: int) -> None:
         if self.backend not in ("aoti", "onnx"):
@@ -91,6 +92,12 @@ class ExportOptions:
             raise ValueError(f"--quant must be none or fp8, got {self.quant!r}")
         if self.quant == "fp8" and (self.backend != "aoti" or self.tp > 1):
             raise ValueError("--quant fp8 needs --backend aoti and --tp 1 (FP8 weights are not sharded yet)")
+        if self.speculative_tokens:
+            from onegraph.graphs.spec import MAX_SPECULATIVE_TOKENS as kmax
+            if not 1 <= self.speculative_tokens <= kmax:
+                raise ValueError(f"--speculative-tokens must be in 1..{kmax}, got {self.speculative_tokens}")
+            if self.backend != "aoti" or self.tp > 1:
+                raise ValueError("--speculative-tokens needs --backend aoti and --tp 1 (the MTP head is not sharded)")
         resolve_dtype(self.dtype)
 
 
@@ -154,6 +161,9 @@ def export(model_spec: str, out_dir: str | Path, opts: ExportOptions, progress: 
     cfg, tensors = check_checkpoint(model_spec)         # quantized / unexpected / non-float tensors: refused
     tensors.check(opts.allow_unused_weights)            # here, before anything is written or removed
     opts.validate(cfg.max_position_embeddings)
+    if opts.speculative_tokens and "MTP" not in tensors.skipped:
+        raise ValueError(f"--speculative-tokens needs a checkpoint with an MTP head (mtp.* weights): "
+                         f"{model_spec} has none")
     check_divisible(cfg, opts.tp)
     if jobs is not None and jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
@@ -169,7 +179,7 @@ def export(model_spec: str, out_dir: str | Path, opts: ExportOptions, progress: 
 
 def lowering_order(specs: list[tuple[str, int]]) -> list[tuple[str, int]]:
     """Largest graphs first (prefill unrolls its scan over T/64 chunks), so the last to finish is small."""
-    return sorted(specs, key=lambda s: (s[0] == "prefill", s[1]), reverse=True)
+    return sorted(specs, key=lambda s: (s[0] == "prefill", s[0] == "spec", s[1]), reverse=True)
 
 
 def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: GraphCache | None,
@@ -181,12 +191,15 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
     dtype = resolve_dtype(opts.dtype)
     specs_wanted = [("decode", b) for b in sorted(set(opts.batch_sizes))] + \
                    [("prefill", t) for t in sorted(set(opts.prefill_chunks))]
+    k = opts.speculative_tokens                         # a round of k drafts per decode bucket
+    specs_wanted += [("spec", b) for b in sorted(set(opts.batch_sizes))] if k else []
     tp = opts.tp
     n_graphs = len(specs_wanted) * tp
     bar = tqdm(total=n_graphs, desc="export", disable=not progress, unit="graph")
     bar.set_postfix_str("load")
     cfg, model, src = load_model(model_spec, dtype, dev, fp32_reduce=opts.fp32_reduce,
-                                  allow_unused=opts.allow_unused_weights, fuse=False, quant=opts.quant)
+                                  allow_unused=opts.allow_unused_weights, fuse=False, quant=opts.quant,
+                                  mtp=k > 0)
     ranks = shard(model, opts)
     fuse_projections(model)          # the TP-1 eager model records the fixture: the same projections
 
@@ -225,7 +238,7 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
                 weights_sha = sha256_file(stage / weights_file.format(rank=r)) if cache is not None else None
                 shared = False
                 for kind, bucket in lowering_order(specs_wanted):
-                    spec = graph_spec(rank_model, kind, bucket, opts.max_seq_len, dtype)
+                    spec = graph_spec(rank_model, kind, bucket, opts.max_seq_len, dtype, k)
                     tag = spec.name if tp == 1 else f"rank{r}/{spec.name}"
                     bar.set_postfix_str(f"trace {tag}")
                     t = time.time()
@@ -287,12 +300,15 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
             name, entry = entries[(r, kind, bucket)]
             graphs[name] = entry
     state = graphs[next(iter(graphs))]["inputs"][-2 * cfg.num_layers:]
+    if k:                                              # the head's KV, spec.y, spec.pos (graphs/spec_graphs.py)
+        n_spec_state = len(graphs[f"spec_b{min(opts.batch_sizes)}"]["inputs"]) - 6 - len(state)   # 6: tokens, slots, sampling
+        state = state + graphs[f"spec_b{min(opts.batch_sizes)}"]["inputs"][-n_spec_state:]
     manifest = {
         "backend": opts.backend, "model": cfg.to_dict(), "dtype": opts.dtype,
         "device": device_desc, "versions": tool_versions(opts.backend), "ops": schema_versions(),
         "options": dataclasses.asdict(opts), "max_seq_len": opts.max_seq_len, "graphs": graphs, "state": state,
         "weights": weights_file, "weight_shapes": {n: list(t.shape) for n, t in weights.items()},
-        "fixture": "fixture.safetensors", "timings_s": timings,
+        "fixture": "fixture.safetensors", "timings_s": timings, "speculative_tokens": k,
     }
     if tp > 1:
         from onegraph.graphs.tp import local_dims

@@ -54,7 +54,7 @@ def trace(model, spec: GraphSpec, device, kernels: str = "auto") -> tuple[torch.
     dev = torch.device(device)
     args = example_inputs(spec, dev)
     with torch.no_grad():
-        ep = torch.export.export(entry_module(model, spec.kind), args, dynamic_shapes=dynamic_shapes(spec),
+        ep = torch.export.export(entry_module(model, spec.kind, spec.k), args, dynamic_shapes=dynamic_shapes(spec),
                                  strict=False)
         ep = ep.run_decompositions(decompositions(dev.type, kernels))
     return ep, check_lowered(ep, dev.type)

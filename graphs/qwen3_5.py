@@ -200,25 +200,34 @@ class GatedAttention(nn.Module):
         return self.qkv_proj
 
     def _qkv(self, x, positions, inv_freq):
-        """x [N, H] -> q [N, Hq, D], gate [N, Hq*D], k, v [N, KVH, D] (normed, rotated)."""
-        cfg, N = self.cfg, x.shape[0]
+        """x [N, H] -> q [N, Hq, D], gate [N, Hq, D] (a strided view of the projection), k, v [N, KVH, D]
+        (q, k normed and rotated by one op: one kernel launch on CUDA, reading q and k in place)."""
+        cfg, N, D = self.cfg, x.shape[0], self.cfg.head_dim
         qg, k, v = _split(self, x, ("q_proj", "k_proj", "v_proj"))
-        qg = qg.view(N, self.num_heads, 2 * cfg.head_dim)
-        q, gate = qg[..., : cfg.head_dim], qg[..., cfg.head_dim:].reshape(N, -1)
-        q = ops.rms_norm(q, self.q_norm.weight, cfg.rms_norm_eps)
-        k = ops.rms_norm(k.view(N, self.num_kv_heads, cfg.head_dim), self.k_norm.weight, cfg.rms_norm_eps)
-        v = v.view(N, self.num_kv_heads, cfg.head_dim)
-        return ops.rope(q, positions, inv_freq), gate, ops.rope(k, positions, inv_freq), v
+        qg = qg.view(N, self.num_heads, 2 * D)                  # query ‖ gate per head
+        q, k = ops.qk_norm_rope(qg[..., :D], k.view(N, self.num_kv_heads, D), self.q_norm.weight,
+                                self.k_norm.weight, positions, inv_freq, cfg.rms_norm_eps)
+        return q, qg[..., D:], k, v.view(N, self.num_kv_heads, D)
 
     def _out(self, o, gate):
-        return self.o_proj(o.reshape(o.shape[0], -1) * torch.sigmoid(gate))
+        """o, gate [N, Hq, D] -> o_proj(o * sigmoid(gate)) [N, H]."""
+        N = o.shape[0]
+        return self.o_proj(o.reshape(N, -1) * torch.sigmoid(gate.reshape(N, -1)))
 
     def decode(self, x, slots, positions, inv_freq, k_cache, v_cache):
-        positions = positions.clamp(0, k_cache.shape[2] - 1)     # never index past the cache
+        """x [B, H] -> [B, H]; writes this step's k/v at (slots, positions), positions past the cache
+        clamped to its last row (never index past the cache)."""
+        return self.decode_clamped(x, slots, positions.clamp(0, k_cache.shape[2] - 1), inv_freq, k_cache, v_cache)
+
+    def decode_clamped(self, x, slots, positions, inv_freq, k_cache, v_cache):
+        """decode for positions already in [0, Tmax): Qwen35Model.decode clamps once per step for every
+        layer (a clamp per layer is a kernel launch per layer)."""
         q, gate, k, v = self._qkv(x, positions, inv_freq)
         k_cache[slots, :, positions] = k   # [B, KVH, D] at (slot, :, pos)
         v_cache[slots, :, positions] = v
-        return self._out(ops.attention_decode(q, k_cache, v_cache, slots, positions, self.scale), gate)
+        # the output gate is applied inside the op (the CUDA lowering's combine kernel)
+        o = ops.attention_decode(q, k_cache, v_cache, slots, positions, self.scale, gate)    # [B, Hq, D]
+        return self.o_proj(o.reshape(o.shape[0], -1))
 
     def prefill(self, x, slot, start_pos, n_valid, inv_freq, k_cache, v_cache):
         T = x.shape[0]
@@ -342,10 +351,15 @@ class Qwen35Model(nn.Module):
         return full[:, : self.cfg.vocab_size]                              # drop the vocab padding rows
 
     def decode(self, tokens, slots, positions, temperature, top_k, top_p, seed, *state):
+        kinds = self.cfg.layer_types
+        # clamped once per step, not per layer: never index past the cache (sampling keeps `positions`)
+        kv_pos = (positions.clamp(0, state[2 * kinds.index("full_attention")].shape[2] - 1)
+                  if "full_attention" in kinds else positions)
+
         def mixer(layer, x, st):
             if layer.kind == "linear_attention":
                 return layer.linear_attn.decode(x, slots, *st)
-            return layer.self_attn.decode(x, slots, positions, self.inv_freq, *st)
+            return layer.self_attn.decode_clamped(x, slots, kv_pos, self.inv_freq, *st)
 
         logits = self._logits(self._layers(self.embed_tokens(tokens), state, mixer))
         return ops.sample(logits, temperature, top_k, top_p, seed, positions), logits

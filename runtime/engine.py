@@ -12,6 +12,16 @@ host and never overrun.
 
 Callers: `generate()` (blocking), `stream()` (async iterator, many concurrent tasks), `cancel()`,
 `stats()`. Bad input raises ValueError in the caller; it never reaches the engine thread.
+
+Speculative decoding (an artifact exported with --speculative-tokens K; graphs/spec_graphs.py): one mode
+per engine, on by default where the artifact has the graphs (`speculation=False` turns it off, True
+demands it). Every decode step is then a round per active slot: the spec graph drafts K tokens with the
+MTP head, verifies them, accepts and commits on the device, each slot with its own accepted count and
+its own position (spec.pos, on the device); the host reads each row's [n_accepted, targets] one step late
+and emits targets[:n_accepted + 1] through the same stop / length rules as decode's ids, so a request's
+tokens are those of speculation off (greedy and seeded sampling alike). The host does not know a round's
+length until it reads it: `produced` counts one token per round in flight, so a request may run one round
+past its end, whose tokens are dropped as a stopped request's overrun token is.
 """
 from __future__ import annotations
 
@@ -46,6 +56,7 @@ class Result:
     token_ids: list[int]
     finish_reason: str
     timings: dict
+    speculation: dict | None = None     # {tokens: K, accepted_mean, rounds} when the engine speculates
 
 
 @dataclasses.dataclass(eq=False)
@@ -64,10 +75,18 @@ class Request:
     t_submit: float = dataclasses.field(default_factory=time.perf_counter)
     t_first: float | None = None
     delivered: int = 0                  # tokens emitted to the caller
+    rounds: int = 0                     # speculative rounds read while the request ran
+    accepted: int = 0                   # drafts accepted over those rounds
 
 
 class Engine:
-    def __init__(self, executor: GraphExecutor, max_queue: int = 64):
+    def __init__(self, executor: GraphExecutor, max_queue: int = 64, speculation: bool | None = None):
+        """speculation: None uses the artifact's speculative graphs where it has them, False decodes one token
+        per step, True requires them (ValueError naming the export option if the artifact has none)."""
+        if speculation and not executor.speculative_tokens:
+            raise ValueError("speculative decoding needs an artifact exported with --speculative-tokens K "
+                             "(this one has no draft / verify graphs)")
+        self.spec = executor.speculative_tokens if speculation is not False else 0
         self.ex = executor
         self.max_queue = max_queue
         self.vocab = executor.vocab_size
@@ -89,14 +108,21 @@ class Engine:
 
     @classmethod
     def from_artifact(cls, path, max_slots: int = 4, max_queue: int = 64, device: str | None = None,
-                      check_parity: bool = True, cuda_graphs: bool = True) -> "Engine":
+                      check_parity: bool = True, cuda_graphs: bool = True,
+                      speculation: bool | None = None) -> "Engine":
+        if speculation:                            # refused before anything loads
+            from .artifact import load_manifest
+            if not load_manifest(path, device).get("speculative_tokens"):
+                raise ValueError(f"{path} has no draft / verify graphs: export it with --speculative-tokens K "
+                                 f"to decode speculatively")
         ex = GraphExecutor.from_artifact(path, max_slots=max_slots, device=device, check_parity=check_parity,
                                          cuda_graphs=cuda_graphs)
-        log.info("onegraph engine: %s, %d slots, decode buckets %s, prefill chunks %s", ex.path, max_slots,
-                 ex.decode_buckets, ex.prefill_buckets)
+        log.info("onegraph engine: %s, %d slots, decode buckets %s, prefill chunks %s, speculative tokens %s",
+                 ex.path, max_slots, ex.decode_buckets, ex.prefill_buckets,
+                 ex.speculative_tokens if speculation is not False else "off")
         if ex.fixture_report is not None:
             log.info("onegraph parity fixture: %s", ex.fixture_report)
-        return cls(ex, max_queue)
+        return cls(ex, max_queue, speculation)
 
     # ---------------- caller side ----------------
     def _validate(self, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed=None) -> list[int]:
@@ -119,6 +145,9 @@ class Engine:
 
     def submit(self, prompt_ids, emit, max_new_tokens=16, temperature=0.0, top_k=0, top_p=1.0, seed=None,
                stop_ids=()) -> int:
+        return self._submit(prompt_ids, emit, max_new_tokens, temperature, top_k, top_p, seed, stop_ids).id
+
+    def _submit(self, prompt_ids, emit, max_new_tokens, temperature, top_k, top_p, seed, stop_ids) -> Request:
         ids = self._validate(prompt_ids, max_new_tokens, temperature, top_k, top_p, seed)
         seed = random.getrandbits(63) if seed is None else int(seed)
         req = Request(next(self.ids), ids, int(max_new_tokens), Sampling(float(temperature), int(top_k),
@@ -133,7 +162,7 @@ class Engine:
             self.waiting.append(req)
             self.counters["submitted"] += 1
             self.cv.notify()
-        return req.id
+        return req
 
     def generate(self, prompt_ids, max_new_tokens=16, temperature=0.0, top_k=0, top_p=1.0, seed=None,
                  stop_ids=(), timeout: float | None = None) -> Result:
@@ -146,10 +175,14 @@ class Engine:
                 fin.append(ev.finish_reason)
                 done.set()
         t0 = time.perf_counter()
-        self.submit(prompt_ids, emit, max_new_tokens, temperature, top_k, top_p, seed, stop_ids)
+        req = self._submit(prompt_ids, emit, max_new_tokens, temperature, top_k, top_p, seed, stop_ids)
         if not done.wait(timeout):
             raise TimeoutError("generation did not finish in time")
-        return Result(out, fin[0], self.timings((time.perf_counter() - t0) * 1e3))
+        spec = None
+        if self.spec:
+            with self.cv:
+                spec = {"tokens": self.spec, "accepted_mean": req.accepted / max(1, req.rounds), "rounds": req.rounds}
+        return Result(out, fin[0], self.timings((time.perf_counter() - t0) * 1e3), spec)
 
     def timings(self, total_ms: float) -> dict:
         """Timing fields with their unit in the name (README: JSON output): total_ms of the request,
@@ -198,7 +231,16 @@ class Engine:
             return {"path": self.ex.path, "active_slots": len(self.active), "free_slots": len(self.free), "queue_depth": len(self.waiting),
                     "max_slots": self.ex.max_slots, "counters": dict(self.counters),
                     "step_us": {k: v / steps for k, v in self.step_us.items()},
-                    "error": repr(self.error) if self.error else None}
+                    "speculation": self._spec_stats(), "error": repr(self.error) if self.error else None}
+
+    def _spec_stats(self) -> dict | None:
+        """Under self.cv. acceptance_rate: accepted drafts / drafted (rounds x K); mean_accepted_length:
+        tokens a round yields, accepted drafts + the target's own (1..K+1)."""
+        if not self.spec:
+            return None
+        rounds, acc = self.counters["spec_rounds"], self.counters["spec_accepted"]
+        return {"tokens": self.spec, "rounds": rounds, "accepted_drafts": acc,
+                "acceptance_rate": acc / max(1, rounds * self.spec), "mean_accepted_length": 1 + acc / max(1, rounds)}
 
     def close(self):
         with self.cv:
@@ -274,22 +316,23 @@ class Engine:
             self.inflight = []
         return True
 
-    def _launch(self, rows: list[Request], ids_dev: torch.Tensor, host_ev: tuple | None = None):
+    def _launch(self, rows: list[Request], ids_dev: torch.Tensor, host_ev: tuple | None = None, spec: bool = False):
         """Queue rows' sampled ids for reading one step late; `host_ev`: (pinned copy, event after it)
-        that the step makes itself (captured decode), else a D2H copy and an event are launched here."""
+        that the step makes itself (captured decode), else a D2H copy and an event are launched here.
+        spec: ids_dev is [n, 1 + K+1], each row [n_accepted, targets...] of a speculative round."""
         if host_ev is not None:
-            self.inflight.append((rows, *host_ev, False))
+            self.inflight.append((rows, *host_ev, False, spec))
             return
         host = ids_dev.to("cpu", non_blocking=ids_dev.device.type == "cuda")
         ev = None
         if ids_dev.device.type == "cuda":
             ev = self.events.pop() if self.events else torch.cuda.Event()   # reused once read
             ev.record()
-        self.inflight.append((rows, host, ev, True))
+        self.inflight.append((rows, host, ev, True, spec))
 
     def _read(self, batches):
         t, wait = time.perf_counter(), 0.0
-        for rows, host, ev, reusable in batches:
+        for rows, host, ev, reusable, spec in batches:
             if ev is not None:                     # device time, not host time: counted apart
                 w = time.perf_counter()
                 ev.synchronize()
@@ -297,7 +340,10 @@ class Engine:
                 if reusable:
                     self.events.append(ev)
             for r, tok in zip(rows, host.tolist()):
-                self._deliver(r, tok)
+                if spec:
+                    self._deliver_round(r, tok[0], tok[1:tok[0] + 2])
+                else:
+                    self._deliver(r, tok)
         self.step_us["device_wait"] += wait * 1e6
         self.step_us["host_read"] += (time.perf_counter() - t - wait) * 1e6
 
@@ -318,6 +364,19 @@ class Engine:
             if r.delivered >= r.max_new_tokens:
                 self._finish(r, "length")
 
+    def _deliver_round(self, r: Request, accepted: int, tokens: list[int]):
+        """A speculative round's tokens (accepted drafts + the target's next), each as a decode step's id."""
+        with self.cv:
+            if not r.done:
+                r.rounds += 1
+                r.accepted += accepted
+                self.counters["spec_rounds"] += 1
+                self.counters["spec_accepted"] += accepted
+        r.produced += len(tokens) - 1             # the round's first token was counted when it was launched
+        r.pos += len(tokens)
+        for tok in tokens:
+            self._deliver(r, tok)
+
     def _prefill(self, r: Request):
         t = time.perf_counter()
         ids, _ = self.ex.prefill(r.prompt, r.slot, r.sampling)
@@ -329,17 +388,22 @@ class Engine:
     def _decode(self, rows: list[Request]):
         if not rows:
             return
-        cap = self.ex.decode_buckets[-1]
+        cap = (self.ex.spec_buckets if self.spec else self.ex.decode_buckets)[-1]
         for i in range(0, len(rows), cap):
             part = rows[i:i + cap]
             t0 = time.perf_counter()
-            ids, _ = self.ex.decode_step([r.slot for r in part], [r.pos for r in part], [r.sampling for r in part])
+            if self.spec:                          # one round per row: [n_accepted, targets] read one step late
+                n_acc, targets = self.ex.spec_step([r.slot for r in part], [r.sampling for r in part])
+                ids, host_ev = torch.cat([n_acc[:, None], targets], 1), None
+            else:
+                ids, _ = self.ex.decode_step([r.slot for r in part], [r.pos for r in part], [r.sampling for r in part])
+                host_ev = self.ex.host_ids
             t2 = time.perf_counter()
             t1 = self.ex.copied_at
             for r in part:
-                r.pos += 1
+                r.pos += 0 if self.spec else 1     # speculative: advanced when the round is read
                 r.produced += 1
-            self._launch(part, ids, self.ex.host_ids)
+            self._launch(part, ids, host_ev, spec=bool(self.spec))
             self.step_us["copy_in"] += (t1 - t0) * 1e6
             self.step_us["replay"] += (t2 - t1) * 1e6
             self.step_us["bookkeeping"] += (time.perf_counter() - t2) * 1e6

@@ -6,6 +6,12 @@ signature, so everything above this file is backend-blind.
 
 Slots 0..max_slots-1 belong to requests; slot max_slots is scratch: padding rows of a decode
 bucket point at it with zero inputs.
+
+A speculative artifact (export --speculative-tokens K) adds the MTP head's state (its KV cache, spec.y,
+spec.pos) to the state, a `spec_b{B}` graph per decode bucket (spec_step: one round of K drafts, verified
+and committed on the device) and a prefill that also catches the head up (it takes next_tokens, the
+prompt shifted by one). Each graph is handed the state tensors its signature names: the decode graphs
+take the model's state only (graphs/spec_graphs.py).
 """
 from __future__ import annotations
 
@@ -55,6 +61,13 @@ class GraphExecutor:
         self.scratch = max_slots
         self.state = [torch.zeros([max_slots + 1 if s == "S" else s for s in t["shape"]], dtype=DTYPES[t["dtype"]],
                                   device=device) for t in state_meta]
+        idx = {t["name"]: i for i, t in enumerate(state_meta)}
+        self.graph_state = {n: [self.state[idx[i["name"]]] for i in g["inputs"] if i["name"] in idx]
+                            for n, g in graph_meta.items()}      # graph -> the state tensors it takes, in order
+        # speculative decoding: one round graph per decode bucket (0 / []: an artifact without them)
+        self.spec_buckets = sorted(g["bucket"] for g in graph_meta.values() if g["kind"] == "spec")
+        self.speculative_tokens = max((g.get("speculative_tokens", 0) for g in graph_meta.values()
+                                       if g["kind"] == "spec"), default=0)
         # per slot: the token its next decode step feeds (the last sampled id). It stays on the device:
         # prefill writes it, every decode step gathers its rows' tokens from it and scatters the new ids back
         self.last_tok = torch.zeros(max_slots + 1, dtype=torch.int64, device=device)
@@ -110,7 +123,7 @@ class GraphExecutor:
             # run the graph's NCCL collectives, which pair up across ranks), and replays the bytes rank 0
             # broadcast to a device buffer, so the graphs do not copy a host staging in (copy_in)
             from .cuda_graphs import CapturedDecode
-            ex.captured = {g["bucket"]: CapturedDecode(loaded[name].run_with_stream, g["bucket"], ex.state,
+            ex.captured = {g["bucket"]: CapturedDecode(loaded[name].run_with_stream, g["bucket"], ex.graph_state[name],
                                                        ex.last_tok, ex.scratch, dev, copy_in=tp == 1)
                            for name, g in m["graphs"].items() if g["kind"] == "decode"}
             ex.path += "+cudagraphs"
@@ -137,18 +150,22 @@ class GraphExecutor:
         return ex
 
     @classmethod
-    def from_model(cls, model, kinds: dict, max_slots: int, max_seq_len: int) -> "GraphExecutor":
-        """Eager backend over the same entry points; `kinds` = {"decode": [B...], "prefill": [T...]}."""
-        from onegraph.export.entry import graph_spec  # eager only: not on the artifact path
-        dtype = model.embed_tokens.weight.dtype
+    def from_model(cls, model, kinds: dict, max_slots: int, max_seq_len: int,
+                   speculative_tokens: int = 0) -> "GraphExecutor":
+        """Eager backend over the same entry points; `kinds` = {"decode": [B...], "prefill": [T...]} (and
+        "spec": [B...] with speculative_tokens K > 0: a model with its MTP head, graphs/spec_graphs.py)."""
+        from onegraph.export.entry import GraphSpec, graph_spec, state_inputs  # eager only: not on the artifact path
+        from onegraph.graphs import spec_graphs
+        dtype, k = model.embed_tokens.weight.dtype, speculative_tokens
+        fns = {"decode": model.decode, "prefill": model.prefill if not k else
+               (lambda *a: spec_graphs.prefill(model, *a)), "spec": lambda *a: spec_graphs.step(model, k, *a)}
         graphs, meta = {}, {}
         for kind, buckets in kinds.items():
-            fn = model.decode if kind == "decode" else model.prefill
             for b in buckets:
-                spec = graph_spec(model, kind, b, max_seq_len, dtype)
-                graphs[spec.name] = (lambda f: lambda inputs: f(*inputs))(fn)
+                spec = graph_spec(model, kind, b, max_seq_len, dtype, k)
+                graphs[spec.name] = (lambda f: lambda inputs: f(*inputs))(fns[kind])
                 meta[spec.name] = spec.manifest()
-        state = meta[next(iter(meta))]["inputs"][-len(model.cfg.layer_types) * 2:]
+        state = GraphSpec("state", "state", 0, state_inputs(model, max_seq_len, dtype, k)).manifest()["inputs"]
         return cls(graphs, meta, state, max_slots, max_seq_len, model.cfg.vocab_size,
                    model.embed_tokens.weight.device)
 
@@ -190,7 +207,7 @@ class GraphExecutor:
         graphs read, is the leader's. (It was rank 0's alone: rank 1's first decode step after a
         prefill fed token 0 on 2xH200.)"""
         with torch.no_grad():
-            out = self.graphs[name](list(inputs) + self.state)
+            out = self.graphs[name](list(inputs) + self.graph_state[name])
             ids, slots = out[0], inputs[1]
             self.last_tok.index_copy_(0, slots, ids[:slots.shape[0]])
         return out
@@ -204,10 +221,18 @@ class GraphExecutor:
             part = prompt[i:i + T]
             toks = torch.zeros(T, dtype=torch.int64, device=d)
             toks[:len(part)] = torch.tensor(part, dtype=torch.int64)
+            extra = []
+            if self.speculative_tokens:
+                # the MTP head's x_{t+1} per row: the prompt shifted by one; -1 at the prompt's last token,
+                # whose next token the graph samples (graphs/spec_graphs.py prefill); padding rows 0
+                nxt = torch.zeros(T, dtype=torch.int64)
+                nxt[:len(part)] = torch.tensor(prompt[i + 1:i + 1 + len(part)] + [-1] * (i + len(part) == len(prompt)),
+                                               dtype=torch.int64)
+                extra = [nxt.to(d)]
             ids, logits = self.call(f"prefill_t{T}", [toks, torch.tensor([slot], device=d),
                                                       torch.tensor([pos], device=d),
                                                       torch.tensor([len(part)], device=d)]
-                                    + self._sampling([sampling], 1))
+                                    + self._sampling([sampling], 1) + extra)
             i += len(part)
             pos += len(part)
         return ids, logits
@@ -252,6 +277,25 @@ class GraphExecutor:
         self.copied_at = time.perf_counter()      # copy-in ends here: the Engine's per-phase timings
         ids, logits = self.call(f"decode_b{B}", inputs)
         return ids[:n], logits[:n]
+
+    def spec_step(self, slots: list[int], sampling: list[Sampling]):
+        """One speculative round for len(slots) rows, padded to a spec bucket (graphs/spec_graphs.py step):
+        each row feeds last_tok[slot] at the slot's committed length (spec.pos, on the device) ->
+        (n_accepted [n], targets [n, K+1]) on the device; last_tok[slots] already holds targets[n_accepted].
+        The round emits targets[:n_accepted + 1] per row. Runs uncaptured on every device."""
+        n = len(slots)
+        B = next((b for b in self.spec_buckets if b >= n), None)
+        if B is None:
+            raise ValueError(f"{n} rows exceed the largest speculative bucket {self.spec_buckets[-1] if self.spec_buckets else None}")
+        pad = B - n
+        rows = torch.tensor(list(slots) + [self.scratch] * pad, dtype=torch.int64).to(self.device)
+        inputs = [self.last_tok.index_select(0, rows), rows] + self._sampling(sampling, B)
+        if self.link is not None:
+            raise RuntimeError("speculative decoding runs at tp=1 (the MTP head is not sharded)")
+        self.copied_at = time.perf_counter()
+        _, n_acc, targets, _ = self._run(f"spec_b{B}", inputs)
+        self.last_tok[self.scratch] = 0            # padding rows keep feeding token 0
+        return n_acc[:n], targets[:n]
 
     def generate(self, prompt: list[int], max_new_tokens: int, sampling: Sampling = Sampling(), slot: int = 0,
                  stop_ids=()):

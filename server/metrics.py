@@ -1,5 +1,6 @@
 """Prometheus metrics of one server (one registry per app, so several apps in one process —
-tests — never collide). Slot and queue gauges are read from `engine.stats()` at scrape time."""
+tests — never collide). Slot and queue gauges are read from `engine.stats()` at scrape time, and so
+are, on an engine that speculates, the acceptance rate and mean accepted length."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -29,6 +30,17 @@ class Metrics:
         Gauge("onegraph_queue_depth", "requests waiting for a slot", registry=r).set_function(
             lambda: engine.stats()["queue_depth"])
         Gauge("onegraph_max_slots", "engine slots", registry=r).set_function(lambda: engine.stats()["max_slots"])
+        if getattr(engine, "spec", 0):          # speculative decoding (runtime/engine.py): since the engine started
+            def spec(key):
+                return lambda: (engine.stats()["speculation"] or {}).get(key, 0.0)
+            Gauge("onegraph_spec_acceptance_rate", "speculative decoding: accepted drafts / drafted tokens",
+                  registry=r).set_function(spec("acceptance_rate"))
+            Gauge("onegraph_spec_mean_accepted_length", "speculative decoding: tokens per round (accepted drafts "
+                  "+ 1)", registry=r).set_function(spec("mean_accepted_length"))
+            Gauge("onegraph_spec_rounds", "speculative decoding: rounds (draft + verify steps) read",
+                  registry=r).set_function(spec("rounds"))
+            Gauge("onegraph_spec_draft_tokens", "speculative decoding: drafts per round (export "
+                  "--speculative-tokens)", registry=r).set_function(spec("tokens"))
 
     def observe_generation(self, prompt_tokens: int, tokens: int, t_start: float, t_first: float | None,
                            t_last: float | None, finish_reason: str):

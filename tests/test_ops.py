@@ -68,7 +68,13 @@ def case_rope(g):
 
 
 def case_attention_decode(g):
-    return [g.m(B, HQ, D), g.m(S, KVH, TMAX, D), g.m(S, KVH, TMAX, D), i64([2, 0, 3]), i64([5, 0, 23]), D ** -0.5]
+    return [g.m(B, HQ, D), g.m(S, KVH, TMAX, D), g.m(S, KVH, TMAX, D), i64([2, 0, 3]), i64([5, 0, 23]), D ** -0.5,
+            g.m(B, HQ, D)]
+
+
+def case_qk_norm_rope(g):
+    return [g.m(5, HQ, D), g.m(5, KVH, D), g.m(D, scale=0.1), g.m(D, scale=0.1), i64([0, 3, 7, 100, 4095]),
+            1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)), 1e-6]
 
 
 def case_attention_prefill(g):
@@ -196,6 +202,10 @@ VALIDATION = [
     ("attention_decode", 2, torch.zeros(S, KVH, TMAX + 1, D), f"attention_decode v_cache: expected shape "
                                                               f"[{S}, {KVH}, {TMAX}, {D}]"),
     ("attention_decode", 0, torch.zeros(B, HQ * D), "expected q [B, H, D]"),
+    ("attention_decode", 6, torch.zeros(B, HQ * D), f"attention_decode gate: expected shape [{B}, {HQ}, {D}]"),
+    ("qk_norm_rope", 1, torch.zeros(5, KVH, D + 1), f"qk_norm_rope k: expected shape [5, *, {D}]"),
+    ("qk_norm_rope", 4, i64([0, 1]), "qk_norm_rope positions: expected shape [5]"),
+    ("qk_norm_rope", 5, torch.zeros(D), f"qk_norm_rope inv_freq: expected [rot/2] with rot <= head_dim {D}"),
     ("attention_prefill", 4, i64([1, 2]), "attention_prefill start_pos: expected shape [1]"),
     ("attention_prefill", 0, torch.zeros(T, HQ, D + 2), f"attention_prefill q: expected shape [*, *, {D}]"),
     ("causal_conv_prefill", 1, torch.zeros(S, C, W), f"causal_conv_prefill conv_state: expected shape "

@@ -211,7 +211,8 @@ def attn_args(B, H, KVH, D, S, Tmax, dtype, seed, slots, positions):
     g = gen(seed)
     return [randn(B, H, D, dtype=dtype, g=g), randn(S, KVH, Tmax, D, dtype=dtype, g=g),
             randn(S, KVH, Tmax, D, dtype=dtype, g=g), torch.tensor(slots, dtype=torch.int64, device=DEVICE),
-            torch.tensor(positions, dtype=torch.int64, device=DEVICE), D ** -0.5]
+            torch.tensor(positions, dtype=torch.int64, device=DEVICE), D ** -0.5,
+            randn(B, H, 2 * D, dtype=dtype, scale=2.0, g=g)[..., D:]]        # gate: a strided view, as q_proj's
 
 
 ATTN_CASES = [

@@ -14,6 +14,7 @@ One file per op (kernel + launcher + triton_op), sharing `_common.py`:
   attention_prefill.py causal GQA flash attention of a chunk over its slot's KV cache
   norms.py             rms_norm, add_rms_norm, gated_rms_norm row kernels
   rope.py              partial rotary embedding
+  qk_norm_rope.py      attention's q/k RMSNorm + partial rotary embedding in one launch
   causal_conv.py       causal_conv_update and causal_conv_prefill (depthwise conv + SiLU with state)
   sample.py            greedy / Gumbel-max sampling with top-k / top-p, no vocabulary sort
   linear.py            projection GEMV at decode sizes (tile by (M, K) only)
@@ -33,4 +34,5 @@ else:
     AVAILABLE = True
     IMPORT_ERROR = None
     from . import (attention_decode, attention_prefill, causal_conv, fused_moe, linear,  # noqa: F401  (register)
-                   gdn_decode_step, gdn_prefill, linear_fp8, norms, rope, sample)
+                   gdn_decode_step, gdn_prefill, linear_fp8, norms, qk_norm_rope, rope,
+                   sample)

@@ -5,7 +5,9 @@ Kernel 1, grid (B, KVH, NSPLIT): program (b, kh, sp) takes the G = H/KVH query h
 0..n-1 (n = min(positions[b] + 1, Tmax)): the row's length is cut into NSPLIT pieces at run time,
 each a multiple of BN, so short rows still spread over all splits. It keeps an online softmax and
 writes unnormalised partials (o [D] fp32, running max m, sum l) per (b, head, split).
-Kernel 2, grid (B, H): merges the splits (empty ones carry m = -inf, l = 0) and normalises.
+Kernel 2, grid (B, H): merges the splits (empty ones carry m = -inf, l = 0), normalises and applies
+the output gate: out = o * sigmoid(gate), o and sigmoid(gate) each rounded to q.dtype first, as the
+reference (the gate is read through its strides: the gate half of q_proj's output, not copied).
 NSPLIT is fixed at trace time from B*KVH (target ~256 programs), so the graph stays static.
 Dot operands are fp32 (see `_dot`): exact for bf16 values, same accumulation as a bf16 dot.
 Numerics: scores are rounded to q.dtype and scaled in q.dtype as the reference's matmul does;
@@ -93,7 +95,7 @@ def _attn_split_kernel(q, k_cache, v_cache, slots, positions, o_part, m_part, l_
 
 
 @triton.jit
-def _attn_combine_kernel(o_part, m_part, l_part, out, s_o_b, s_o_h, s_o_d,
+def _attn_combine_kernel(o_part, m_part, l_part, gate, out, s_g_b, s_g_h, s_g_d, s_o_b, s_o_h, s_o_d,
                          H: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr,
                          BS: tl.constexpr, BD: tl.constexpr):
     i_b = tl.program_id(0)
@@ -109,7 +111,10 @@ def _attn_combine_kernel(o_part, m_part, l_part, out, s_o_b, s_o_h, s_o_d,
     wgt = tl.where(ms & (m > float("-inf")), tl.exp(m - m_max), 0.0)        # empty splits weigh 0
     o = tl.load(o_part + row[:, None] * D + offs_d[None, :], mask=ms[:, None] & md[None, :], other=0.0)
     res = tl.sum(o * wgt[:, None], axis=0) / tl.sum(l * wgt, axis=0)
-    tl.store(out + i_b * s_o_b + i_h * s_o_h + offs_d * s_o_d, to_dt(res, out.dtype.element_ty), mask=md)
+    DT: tl.constexpr = out.dtype.element_ty
+    g = tl.load(gate + i_b * s_g_b + i_h * s_g_h + offs_d * s_g_d, mask=md, other=0.0).to(tl.float32)
+    res = rnd(res, DT) * rnd(tl.sigmoid(g), DT)                             # o * sigmoid(gate) in q.dtype
+    tl.store(out + i_b * s_o_b + i_h * s_o_h + offs_d * s_o_d, to_dt(res, DT), mask=md)
 
 
 TARGET_PROGRAMS = 256      # ~2 waves of programs on a 132-SM H200
@@ -125,7 +130,7 @@ def plan(B: int, KVH: int, Tmax: int, D: int) -> tuple[int, int]:
     return BN, nsplit
 
 
-def run(q, k_cache, v_cache, slots, positions, scale: float, block_n: int, nsplit: int) -> torch.Tensor:
+def run(q, k_cache, v_cache, slots, positions, scale: float, gate, block_n: int, nsplit: int) -> torch.Tensor:
     """Both launches with an explicit plan (the op uses `plan`; tests force small tiles and splits)."""
     B, H, D = q.shape
     KVH = k_cache.shape[1]
@@ -139,20 +144,20 @@ def run(q, k_cache, v_cache, slots, positions, scale: float, block_n: int, nspli
            *q.stride(), *k_cache.stride(), *v_cache.stride(), float(scale), Tmax,
            H=H, G=H // KVH, D=D, NSPLIT=nsplit, BG=max(16, next_pow2(H // KVH)), BD=BD, BN=block_n,
            IEEE=q.dtype == torch.float32, num_warps=4 if BD <= 128 else 8)
-    launch(_attn_combine_kernel, (B, H), o_part, m_part, l_part, out, *out.stride(),
+    launch(_attn_combine_kernel, (B, H), o_part, m_part, l_part, gate, out, *gate.stride(), *out.stride(),
            H=H, D=D, NSPLIT=nsplit, BS=next_pow2(nsplit), BD=BD, num_warps=4)
     return out
 
 
 @triton_op("onegraph::attention_decode_triton", mutates_args=())
 def attention_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                            positions: torch.Tensor, scale: float) -> torch.Tensor:
-    _validate(q, k_cache, v_cache, slots, positions, scale)
+                            positions: torch.Tensor, scale: float, gate: torch.Tensor) -> torch.Tensor:
+    _validate(q, k_cache, v_cache, slots, positions, scale, gate)
     B, H, D = q.shape
     _, KVH, Tmax, _ = k_cache.shape
     block_n, nsplit = plan(B, KVH, Tmax, D)
     # the kernel reads row b's index at ptr + b: an expanded (stride-0) index tensor must be made dense
-    return run(q, k_cache, v_cache, slots.contiguous(), positions.contiguous(), scale, block_n, nsplit)
+    return run(q, k_cache, v_cache, slots.contiguous(), positions.contiguous(), scale, gate, block_n, nsplit)
 
 
 _registry.register_lowering("attention_decode", "triton", torch.ops.onegraph.attention_decode_triton.default)

@@ -27,10 +27,10 @@ from triton.backends.compiler import GPUTarget
 
 from .. import _registry
 from . import (attention_decode, attention_prefill, causal_conv, fused_moe, gdn_decode_step, gdn_prefill, linear,
-               linear_fp8, norms, rope, sample)
+               linear_fp8, norms, qk_norm_rope, rope, sample)
 
 MODULES = (attention_decode, attention_prefill, causal_conv, fused_moe, gdn_decode_step, gdn_prefill, linear,
-           linear_fp8, norms, rope, sample)
+           linear_fp8, norms, qk_norm_rope, rope, sample)
 SMEM_LIMIT = 232448            # bytes per block on sm_90 (227 KiB opt-in)
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
           torch.int32: "i32", torch.float8_e4m3fn: "fp8e4nv"}
@@ -50,7 +50,8 @@ def cases(B: int):
                         torch.empty(2048, 512, **bf), torch.empty(1, 2048, **bf), 8)
     yield "attention_decode", (torch.empty(B, 16, 256, **bf), torch.empty(S, 2, 4096, 256, **bf),
                                torch.empty(S, 2, 4096, 256, **bf), torch.empty(B, dtype=torch.int64, **m),
-                               torch.empty(B, dtype=torch.int64, **m), 256 ** -0.5)
+                               torch.empty(B, dtype=torch.int64, **m), 256 ** -0.5,
+                               torch.empty(B, 16, 512, **bf)[..., 256:])       # gate: q_proj's strided half
     yield "linear", (torch.empty(B, 2048, **bf), torch.empty(12352, 2048, **bf))
     yield "linear", (torch.empty(B, 4096, **bf), torch.empty(2048, 4096, **bf))
     f8 = dict(dtype=torch.float8_e4m3fn, **m)
@@ -63,6 +64,10 @@ def cases(B: int):
     yield "gated_rms_norm", (torch.empty(B * 32, 128, **bf), torch.empty(B * 32, 128, **bf), torch.empty(128, **bf), 1e-6)
     yield "rope", (torch.empty(B, 16, 256, **bf), torch.empty(B, dtype=torch.int64, **m),
                    torch.empty(32, dtype=torch.float32, **m))
+    qkv = torch.empty(B, 9216, **bf)                                          # q ‖ gate, k, v of the fused projection
+    yield "qk_norm_rope", (qkv[:, :8192].view(B, 16, 512)[..., :256], qkv[:, 8192:8704].view(B, 2, 256),
+                           torch.empty(256, **bf), torch.empty(256, **bf), torch.empty(B, dtype=torch.int64, **m),
+                           torch.empty(32, dtype=torch.float32, **m), 1e-6)
     yield "causal_conv_update", (torch.empty(B, 8192, **bf), torch.empty(S, 8192, 3, **bf),
                                  torch.empty(B, dtype=torch.int64, **m), torch.empty(8192, 4, **bf))
     yield "sample", (torch.empty(B, 248320, dtype=torch.float32, **m), torch.empty(B, dtype=torch.float32, **m),

@@ -1,0 +1,98 @@
+"""Triton lowering of qk_norm_rope: the q and k heads' RMSNorm + partial rotary embedding in one
+launch (contract: custom_ops/qk_norm_rope.py).
+
+Grid (N, Hq + KVH): program (n, h) takes one head row [D] of token n, a q head for h < Hq, else
+k head h - Hq, read in place through its strides (the fused projection's output is not copied).
+It normalises the row as `_rms_norm_kernel` (norms.py) does, with the same [BD] tile and warp
+count so the fp32 sum of squares reduces in the same order, then rotates as `_rope_kernel`
+(rope.py) does: column i < rot pairs with i + rot/2 (first half) or i - rot/2 (second half), whose
+normalised value is recomputed from the partner's input (same row statistic, same arithmetic: the
+value the norm op would have stored there).
+
+Numerics: the reference's roundings to the model dtype are reproduced: the normalised row, cos/sin,
+x * cos, rotated * sin and their sum. So the output equals today's two kernels in sequence bit for
+bit (same reduction order, same elementwise arithmetic), and the references up to where torch's and
+Triton's fp32 cos/sin differ by an ulp (then 1 ulp of the model dtype, as rope.py says).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op
+
+from .. import _registry
+from ..qk_norm_rope import _validate
+from ._common import launch, next_pow2, rnd, to_dt
+from .norms import _warps
+
+
+@triton.jit
+def _qk_norm_rope_kernel(q, k, wq, wk, positions, inv_freq, q_out, k_out,
+                         s_q_n, s_q_h, s_q_d, s_k_n, s_k_h, s_k_d, n_d, eps,
+                         HQ: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                         BD: tl.constexpr):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    DT: tl.constexpr = q.dtype.element_ty
+    offs = tl.arange(0, BD)
+    m = offs < D
+    rot = offs < 2 * HALF
+    first = offs < HALF
+    partner = tl.where(first, offs + HALF, offs - HALF)
+    # a q head (h < HQ) or k head h - HQ: both addresses computed, one selected (branch-free, so the
+    # strides' run-time specialisations never have to agree between two branches)
+    is_q = h < HQ
+    hq = tl.minimum(h, HQ - 1)
+    hk = tl.maximum(h - HQ, 0)
+    q_row = q + n * s_q_n + hq * s_q_h
+    k_row = k + n * s_k_n + hk * s_k_h
+    x_at = tl.where(is_q, q_row + offs * s_q_d, k_row + offs * s_k_d)                 # [BD] pointers
+    xp_at = tl.where(is_q, q_row + partner * s_q_d, k_row + partner * s_k_d)
+    w_at = tl.where(is_q, wq + offs, wk + offs)
+    wp_at = tl.where(is_q, wq + partner, wk + partner)
+    y_at = tl.where(is_q, q_out + (n * HQ + hq) * D + offs, k_out + (n * KVH + hk) * D + offs)
+    # RMSNorm, as _rms_norm_kernel: fp32 statistic over the row, (x * inv) * (1 + w) rounded to DT
+    xf = tl.load(x_at, mask=m, other=0.0).to(tl.float32)
+    # n_d == D, a run-time int as in _rms_norm_kernel: a constexpr divisor may compile to other arithmetic
+    inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_d + tl.cast(eps, tl.float32))   # AOTI passes floats as fp64
+    wf = tl.load(w_at, mask=m, other=0.0).to(tl.float32)
+    yv = rnd(xf * inv * (1.0 + wf), DT)
+    # rotate_half partner: -y[i + HALF] for the first half, y[i - HALF] for the second
+    mp = m & rot
+    xp = tl.load(xp_at, mask=mp, other=0.0).to(tl.float32)
+    wp = tl.load(wp_at, mask=mp, other=0.0).to(tl.float32)
+    yp = rnd(xp * inv * (1.0 + wp), DT)
+    yp = tl.where(first, -yp, yp)
+    # cos/sin of position * inv_freq[i mod HALF] in fp32, rounded to DT (as rope.py)
+    fi = tl.where(first, offs, offs - HALF)
+    freq = tl.load(inv_freq + fi, mask=rot, other=0.0).to(tl.float32)
+    ang = tl.load(positions + n).to(tl.float32) * freq
+    cos = rnd(tl.cos(ang), DT)
+    sin = rnd(tl.sin(ang), DT)
+    out = rnd(rnd(yv * cos, DT) + rnd(yp * sin, DT), DT)
+    out = tl.where(rot, out, yv)                    # dims rot..D pass through (normalised only)
+    tl.store(y_at, to_dt(out, DT), mask=m)
+
+
+def run(q, k, q_weight, k_weight, positions, inv_freq, eps: float):
+    N, HQ, D = q.shape
+    KVH = k.shape[1]
+    q_out = torch.empty((N, HQ, D), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((N, KVH, D), dtype=q.dtype, device=q.device)
+    BD = next_pow2(D)
+    launch(_qk_norm_rope_kernel, (N, HQ + KVH), q, k, q_weight, k_weight, positions, inv_freq, q_out, k_out,
+           *q.stride(), *k.stride(), D, eps, HQ=HQ, KVH=KVH, D=D, HALF=inv_freq.shape[0], BD=BD,
+           num_warps=_warps(BD))            # the warp count of _rms_norm_kernel: same reduction order
+    return q_out, k_out
+
+
+@triton_op("onegraph::qk_norm_rope_triton", mutates_args=())
+def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                        positions: torch.Tensor, inv_freq: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    _validate(q, k, q_weight, k_weight, positions, inv_freq, eps)
+    # read with unit stride (an expanded position tensor is made dense)
+    return run(q, k, q_weight, k_weight, positions.contiguous(), inv_freq.contiguous(), eps)
+
+
+_registry.register_lowering("qk_norm_rope", "triton", torch.ops.onegraph.qk_norm_rope_triton.default)
