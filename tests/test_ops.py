@@ -268,12 +268,12 @@ def test_unit_lower_inverse_matches_linalg_inv(n):
 
 
 def test_attention_matches_sdpa():
-    q_dec, kc, vc, slots, pos, scale = op_args("attention_decode")
-    out = ops.attention_decode(q_dec, kc, vc, slots, pos, scale)
+    q_dec, kc, vc, slots, pos, scale, gate = op_args("attention_decode")
+    out = ops.attention_decode(q_dec, kc, vc, slots, pos, scale, gate)
     for b in range(B):
         s, p = int(slots[b]), int(pos[b])
         ref = F.scaled_dot_product_attention(q_dec[b][:, None], kc[s, :, : p + 1], vc[s, :, : p + 1], scale=scale,
-                                             enable_gqa=True)[:, 0]
+                                             enable_gqa=True)[:, 0] * torch.sigmoid(gate[b])
         assert (out[b] - ref).abs().max() <= 1e-5, f"decode row {b}"
     q, kc, vc, slot, start, scale = op_args("attention_prefill")
     out = ops.attention_prefill(q, kc, vc, slot, start, scale)
