@@ -144,7 +144,7 @@ def cmd_inspect(args) -> int:
 def cmd_eval(args) -> int:
     from onegraph.tools.eval import evaluate
     res = evaluate(args.model, args.text, args.max_tokens, args.ctx, args.batch, args.dtype, args.device,
-                   progress=True)
+                   progress=True, quant=args.quant)
     if args.json:
         print(json.dumps(res))
     else:
@@ -355,10 +355,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="row-parallel projections (o_proj, out_proj, MoE/MLP down) keep their fp32 sums through the "
                         "TP all-reduce and round once: bf16 ids then do not depend on --tp (export every TP degree "
                         "you compare with it, TP-1 included)")
-    p.add_argument("--quant", default="none", choices=["none", "fp8"],
-                   help="dense projections' weights in the artifact: none (--dtype; an FP8 checkpoint is "
-                        "dequantized) or fp8 (e4m3 with 128x128 block scales, weight-only: a float checkpoint is "
-                        "quantized, an FP8 one kept as it is); recorded in the manifest")
+    p.add_argument("--quant", default="auto", choices=["auto", "none", "fp8", "int8", "fp8-channel"],
+                   help="dense projections' weights in the artifact (README Quantization): auto (default: as the "
+                        "checkpoint), none (--dtype; a quantized checkpoint is dequantized), fp8 (e4m3, 128x128 "
+                        "block scales, weight-only), int8 (W8A8: per-channel int8 weights, int8 activations per "
+                        "token) or fp8-channel (W8A8 e4m3, per-channel / per-token): a float checkpoint is "
+                        "quantized, one of that scheme kept as it is, another refused; recorded in the manifest")
     p.add_argument("--speculative-tokens", type=int, default=None, metavar="K",
                    help="also export speculative graphs: the checkpoint's MTP head drafts K (1..4) tokens per round, "
                         "verified by the model in one pass (a checkpoint with mtp.* weights; --backend aoti, --tp 1)")

@@ -15,6 +15,8 @@ from .gdn_prefill import gdn_prefill  # noqa: F401
 from .linear import linear  # noqa: F401
 from .linear_f32 import linear_f32  # noqa: F401
 from .linear_fp8 import linear_fp8  # noqa: F401
+from .linear_w8a8_fp8 import linear_w8a8_fp8  # noqa: F401
+from .linear_w8a8_int8 import linear_w8a8_int8  # noqa: F401
 from .rms_norm import rms_norm  # noqa: F401
 from .qk_norm_rope import qk_norm_rope  # noqa: F401
 from .rope import rope  # noqa: F401

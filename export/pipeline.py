@@ -34,7 +34,8 @@ from tqdm import tqdm
 from onegraph.custom_ops import schema_versions
 from onegraph.graphs.eager import SamplingParams, generate_eager, router_margins
 from onegraph.graphs.fuse import fuse_projections
-from onegraph.graphs.load import check_checkpoint, load_model, resolve_dtype
+from onegraph.graphs.load import check_checkpoint, load_model, model_dir, quant_method, resolve_dtype
+from onegraph.graphs.quant import QUANT_CHOICES, SCHEMES, resolve
 from onegraph.graphs.tp import check_divisible
 from onegraph.runtime.artifact import device_descriptor, load_manifest, sha256_file, tool_versions, write_manifest
 
@@ -64,7 +65,8 @@ class ExportOptions:
     eager_rounding: bool = True                # round intermediates where eager does (bf16/fp16 parity)
     fp32_reduce: bool = False                  # row-parallel outputs in fp32, all-reduced, rounded once (TP-invariant)
     allow_unused_weights: bool = False         # load even if the checkpoint holds tensors the model does not consume
-    quant: str = "none"                        # dense projections' weights: none (model dtype) | fp8 (graphs/quant.py)
+    quant: str = "auto"                        # dense projections' weights (graphs/quant.py): auto (the checkpoint's;
+                                               # resolved before export) | none (model dtype) | fp8 | int8 | fp8-channel
     speculative_tokens: int = 0                # > 0: MTP draft + verify graphs of k drafts (graphs/spec_graphs.py)
 
     def validate(self, max_positions: int) -> None:
@@ -88,10 +90,11 @@ class ExportOptions:
             raise ValueError("--fp32-reduce needs --backend aoti (the ONNX backend is fp32 only: its sums are fp32 already)")
         if self.tp > 1 and self.backend != "aoti":
             raise ValueError("--tp > 1 needs --backend aoti (the ONNX backend has no collectives)")
-        if self.quant not in ("none", "fp8"):
-            raise ValueError(f"--quant must be none or fp8, got {self.quant!r}")
-        if self.quant == "fp8" and (self.backend != "aoti" or self.tp > 1):
-            raise ValueError("--quant fp8 needs --backend aoti and --tp 1 (FP8 weights are not sharded yet)")
+        if self.quant not in ("auto", *QUANT_CHOICES):
+            raise ValueError(f"--quant must be one of {['auto', *QUANT_CHOICES]}, got {self.quant!r}")
+        if self.quant not in ("auto", "none") and (self.backend != "aoti" or self.tp > 1):
+            raise ValueError(f"--quant {self.quant} needs --backend aoti and --tp 1 (quantized weights are neither "
+                             f"lowered to ONNX nor sharded yet; --quant none dequantizes a quantized checkpoint)")
         if self.speculative_tokens:
             from onegraph.graphs.spec import MAX_SPECULATIVE_TOKENS as kmax
             if not 1 <= self.speculative_tokens <= kmax:
@@ -99,6 +102,14 @@ class ExportOptions:
             if self.backend != "aoti" or self.tp > 1:
                 raise ValueError("--speculative-tokens needs --backend aoti and --tp 1 (the MTP head is not sharded)")
         resolve_dtype(self.dtype)
+
+
+def resolve_quant(model_spec, opts: ExportOptions) -> ExportOptions:
+    """opts with `quant` the projections' actual scheme (recorded in the manifest): `auto` becomes the
+    checkpoint's own (none for a float one); a checkpoint quantized otherwise than --quant asks is refused."""
+    method = quant_method(model_dir(model_spec))
+    scheme = resolve(method, None if opts.quant == "auto" else opts.quant)
+    return dataclasses.replace(opts, quant=scheme or "none")
 
 
 def shard(model, opts: ExportOptions) -> list:
@@ -160,6 +171,7 @@ def export(model_spec: str, out_dir: str | Path, opts: ExportOptions, progress: 
     t0 = time.time()
     cfg, tensors = check_checkpoint(model_spec)         # quantized / unexpected / non-float tensors: refused
     tensors.check(opts.allow_unused_weights)            # here, before anything is written or removed
+    opts = resolve_quant(model_spec, opts)
     opts.validate(cfg.max_position_embeddings)
     if opts.speculative_tokens and "MTP" not in tensors.skipped:
         raise ValueError(f"--speculative-tokens needs a checkpoint with an MTP head (mtp.* weights): "
@@ -348,6 +360,8 @@ def inspect(path: str | Path) -> str:
              f"model: {m['model']['model_type']} layers={len(m['model']['layer_types'])} "
              f"hidden={m['model']['hidden_size']} vocab={m['model']['vocab_size']}",
              f"options: {m['options']}", f"versions: {m['versions']}", f"ops: {m['ops']}"]
+    q = m["options"].get("quant", "none")
+    lines.insert(2, f"quantization: {SCHEMES[q].describe if q in SCHEMES else q}")
     for name, g in m["graphs"].items():
         top = sorted(g["ops"].items(), key=lambda kv: -kv[1])[:6]
         lines.append(f"  {name:<14} nodes={g['node_count']:<6} file={g['file']}  top ops: "

@@ -18,7 +18,9 @@ together, which is exact only where every part but the last is a whole number of
 parts' scale rows stack into the fused weight's. A float part never joins an FP8 one. So the parts are
 grouped into runs of consecutive parts that concatenate exactly, one projection per run, and the module
 sees the runs' outputs concatenated (ConcatProj; a run of one is the plain projection, as before).
-Requantizing a straddling block instead would change the checkpoint's values. Shapes:
+Requantizing a straddling block instead would change the checkpoint's values. Per-channel parts (int8 or
+e4m3 with weight_scale [N, 1]) concatenate at any size (their scale rows stack), with parts of their own
+kind only. Shapes:
   35B  GDN  qkv 8192 | z 4096 FP8, b 32 | a 32 bf16 (kept float) -> [qkv; z] + [b; a]
        attn q 8192 | k 512 | v 512 FP8 (all whole blocks)      -> [q; k; v]
   tiny GDN  qkv 256 | z 128 FP8, b 4 | a 4 float                 -> [qkv; z] + [b; a]
@@ -48,7 +50,13 @@ class ConcatProj(nn.Module):
 
 
 def _fp8(lin) -> bool:
-    return lin.weight.dtype == FP8
+    """Block FP8 (weight_scale_inv): concatenates along whole 128-row blocks only."""
+    return lin.weight.dtype == FP8 and hasattr(lin, "weight_scale_inv")
+
+
+def _kind(lin) -> tuple:
+    """(weight dtype, scale name): parts concatenate with parts of the same kind only."""
+    return lin.weight.dtype, _fp8(lin)
 
 
 def runs(lins: list) -> list[list]:
@@ -56,7 +64,7 @@ def runs(lins: list) -> list[list]:
     out = []
     for lin in lins:
         last = out[-1] if out else None
-        if last is not None and _fp8(last[0]) == _fp8(lin) and (
+        if last is not None and _kind(last[0]) == _kind(lin) and (
                 not _fp8(lin) or all(p.weight.shape[0] % BLOCK == 0 for p in last)):
             last.append(lin)
         else:
@@ -74,6 +82,8 @@ def _concat(lins: list) -> nn.Module:
     new.weight = nn.Parameter(w, requires_grad=False)
     if _fp8(lins[0]):                        # [sum ceil(n_i/128), ceil(K/128)]: whole blocks but the last
         new.weight_scale_inv = nn.Parameter(torch.cat([lin.weight_scale_inv for lin in lins]), requires_grad=False)
+    elif hasattr(lins[0], "weight_scale"):   # per-channel int8 / e4m3: [sum n_i, 1]
+        new.weight_scale = nn.Parameter(torch.cat([lin.weight_scale for lin in lins]), requires_grad=False)
     if bias:
         new.bias = nn.Parameter(torch.cat([lin.bias for lin in lins]), requires_grad=False)
     return new

@@ -111,35 +111,38 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: s
     without it they are refused (graphs/weights.py), as is a quantization_config it cannot read.
     mtp: also load the checkpoint's MTP head (`mtp.*`) as `model.mtp` (graphs/mtp.py; TP-1 only, never
     exported); without it those keys are skipped.
-    quant (graphs/quant.py): the weight format of the dense projections. None: as the checkpoint (an FP8
-    checkpoint's e4m3 projections stay FP8, its other e4m3 weights are dequantized); "none": every
-    weight in `dtype` (an FP8 checkpoint dequantized); "fp8": FP8 — a float checkpoint's projections are
-    quantized (block 128x128 e4m3), an FP8 checkpoint's kept as they are."""
+    quant (graphs/quant.py SCHEMES): the weight format of the dense projections. None: as the checkpoint (an
+    FP8 / compressed-tensors checkpoint's quantized projections stay quantized, its other quantized weights
+    are dequantized); "none": every weight in `dtype` (a quantized checkpoint dequantized); "fp8" | "int8" |
+    "fp8-channel": a float checkpoint's projections are quantized so, a checkpoint of that scheme kept as it
+    is, a checkpoint quantized otherwise refused (quant.resolve)."""
     path = model_dir(spec)
     cfg = read_config(path)
     method = quant_method(path)
-    if quant not in (None, *quantfmt.QUANT_CHOICES):
-        raise ValueError(f"quant must be one of {list(quantfmt.QUANT_CHOICES)}, got {quant!r}")
-    fp8 = quant == quantfmt.METHOD or (method == quantfmt.METHOD and quant != "none")
+    try:
+        scheme = quantfmt.resolve(method, quant)
+    except quantfmt.QuantError as e:
+        raise LoadError(str(e)) from None
     if tp != 1:
         check_divisible(cfg, tp)                     # fail before reading any weights
-        if fp8:
-            raise ValueError("FP8 weights with tp > 1 are not supported yet (the head split does not follow the "
-                             "128-row scale blocks); load with quant='none' (dequantized) or tp=1")
+        if scheme:
+            raise ValueError(f"quantized weights ({scheme}) with tp > 1 are not supported yet (the head split does "
+                             f"not follow the scales); load with quant='none' (dequantized) or tp=1")
     model = meta_model(cfg, fp32_reduce)
     if mtp:
         attach_mtp(model, path, tp)
-    if fp8 and method == quantfmt.METHOD:            # the checkpoint's e4m3 projections load as FP8 parameters
-        held = fp8_weights(path)
+    if scheme and method == scheme:                  # the checkpoint's quantized projections load as they are
+        sch = quantfmt.SCHEMES[scheme]
+        held = fp8_weights(path, sch.st_dtype)
         for name, mod in model.named_modules():
             if quantfmt.is_fp8_module(name) and f"{name}.weight" in held:
-                quantfmt.make_fp8(mod)
+                quantfmt.make_quantized(mod, sch)
     model.to_empty(device="cpu")
     model.inv_freq.copy_(Qwen35Model.rope_inv_freq(cfg))
     load_into(model, path, resolve_dtype(dtype), allow_unused, quant_method=method)
-    if quant == quantfmt.METHOD and method != quantfmt.METHOD:
-        n = quantfmt.quantize_model(model)
-        quantfmt.log.info("quantized %d dense projections to FP8 (e4m3, 128x128 block scales)", n)
+    if scheme and method is None:
+        n = quantfmt.quantize_model(model, scheme)
+        quantfmt.log.info("quantized %d dense projections: %s", n, quantfmt.SCHEMES[scheme].describe)
     if tp != 1:
         model = shard_model(model, rank, tp, group)
     if fuse:

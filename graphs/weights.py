@@ -6,8 +6,10 @@ Handles: single file or sharded (`model.safetensors.index.json`); key prefixes
 `down_proj`). A missing tensor or a shape mismatch raises LoadError naming the key and both shapes.
 
 Quantized checkpoints: `quant_method: fp8` (graphs/quant.py has the format): each e4m3 `X.weight` comes
-with its `X.weight_scale_inv` block scales; an FP8 parameter (a projection the model runs as FP8) takes
-both as they are, a float parameter takes the weight dequantized at load (quant.dequantize_unheld).
+with its `X.weight_scale_inv` block scales; `quant_method: compressed-tensors` (graphs/quant_ct.py: FP8 or
+INT8 per-channel W8A8): each int8 / e4m3 `X.weight` with its `X.weight_scale` [N, 1]. A quantized parameter
+(a projection the model runs quantized) takes both as they are, a float parameter takes the weight
+dequantized at load (quant.dequantize_unheld).
 
 Refused before any weight is read (from config.json and the safetensors headers only), because each
 would otherwise run and answer wrongly:
@@ -32,11 +34,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from . import quant
+from . import quant, quant_ct
 
 log = logging.getLogger("onegraph.weights")
 # quant_method values (config.json `quantization_config`) this loader has a dequantization rule for
-SUPPORTED_QUANT_METHODS: tuple[str, ...] = (quant.METHOD,)
+SUPPORTED_QUANT_METHODS: tuple[str, ...] = (quant.METHOD, quant_ct.METHOD)
 # safetensors header dtypes a float parameter takes by a plain cast
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 # torch names of safetensors dtypes, for messages
@@ -59,8 +61,9 @@ def dtype_name(st_dtype: str) -> str:
 
 
 def check_quantization(hf: dict) -> str | None:
-    """A `quantization_config` (top level or in `text_config`) with an unsupported quant_method (or fp8
-    fields the loader does not read exactly) -> LoadError; else its quant_method (None: unquantized)."""
+    """A `quantization_config` (top level or in `text_config`) with an unsupported quant_method (or fields
+    the loader does not read exactly) -> LoadError; else its scheme (graphs/quant.py SCHEMES: "fp8" for
+    quant_method fp8, "fp8-channel" | "int8" for compressed-tensors; None: unquantized)."""
     text = hf.get("text_config")
     found = None
     for where, c in (("config.json", hf), ("config.json text_config", text if isinstance(text, dict) else {})):
@@ -74,10 +77,10 @@ def check_quantization(hf: dict) -> str | None:
             raise LoadError(f"{where} has a quantization_config with quant_method={method!r}, which the loader "
                             f"cannot dequantize; supported: {supported}")
         try:
-            quant.check_config(q, where)
+            scheme = quant_ct.check_config(q, where) if method == quant_ct.METHOD else quant.check_config(q, where)
         except quant.QuantError as e:
             raise LoadError(str(e)) from None
-        found = method
+        found = scheme or method
     return found
 
 
@@ -121,13 +124,15 @@ class Census:
     skipped: dict[str, list[str]]                # family -> checkpoint keys
     unused: list[str]                            # checkpoint keys nothing consumes
     bad_dtype: list[tuple[str, str, str]]        # (checkpoint key, dtype, parameter) a plain cast would get wrong
-    no_scale: list[str] = dataclasses.field(default_factory=list)   # e4m3 weights without their weight_scale_inv
+    no_scale: list[str] = dataclasses.field(default_factory=list)   # quantized weights without their scale
+    scheme: quant.Scheme | None = None                               # the checkpoint's (None: float)
 
     def check(self, allow_unused: bool = False) -> None:
         """Raise LoadError for what cannot load."""
         if self.no_scale:
-            raise LoadError(f"tensor {self.no_scale[0]!r} is float8_e4m3fn but the checkpoint has no "
-                            f"{self.no_scale[0][:-len('weight')]}{quant.SCALE} ({len(self.no_scale)} such tensors "
+            sch = self.scheme
+            raise LoadError(f"tensor {self.no_scale[0]!r} is {str(sch.qdtype).replace('torch.', '')} but the checkpoint has no "
+                            f"{self.no_scale[0][:-len('weight')]}{sch.scale} ({len(self.no_scale)} such tensors "
                             f"in {self.path})")
         if self.bad_dtype:
             key, dt, param = self.bad_dtype[0]
@@ -160,6 +165,7 @@ class Census:
 
 
 FP8_ST = "F8_E4M3"
+DTYPE_ST = {torch.float8_e4m3fn: FP8_ST, torch.int8: "I8"}
 
 
 def header_dtypes(path: str | Path) -> tuple[dict[str, Path], dict[str, str]]:
@@ -173,35 +179,37 @@ def header_dtypes(path: str | Path) -> tuple[dict[str, Path], dict[str, str]]:
     return files, dtypes
 
 
-def fp8_weights(path: str | Path) -> set[str]:
-    """Model-side names of the checkpoint's e4m3 weights (`layers.0.self_attn.q_proj.weight`, ...)."""
-    return {_strip(k) for k, dt in header_dtypes(path)[1].items() if dt == FP8_ST}
+def fp8_weights(path: str | Path, st_dtype: str = FP8_ST) -> set[str]:
+    """Model-side names of the checkpoint's weights of safetensors dtype st_dtype (e4m3 by default:
+    `layers.0.self_attn.q_proj.weight`, ...)."""
+    return {_strip(k) for k, dt in header_dtypes(path)[1].items() if dt == st_dtype}
 
 
 def census(path: str | Path, params: dict[str, torch.nn.Parameter], tied_lm_head: bool,
            quant_method: str | None = None) -> Census:
     """Sort every checkpoint tensor against `params` (the model's named_parameters) from the headers only.
     tied_lm_head: the model reads embed_tokens as lm_head, so a checkpoint's lm_head.weight is not needed.
-    quant_method: the config's (check_quantization); "fp8" admits e4m3 weights with their scales."""
+    quant_method: the config's scheme (check_quantization): admits its quantized weights with their scales."""
     path = Path(path)
-    c = Census(path, {}, {}, {}, {}, [], [])
+    sch = quant.SCHEMES[quant_method] if quant_method else None
+    c = Census(path, {}, {}, {}, {}, [], [], scheme=sch)
     c.files, c.dtypes = header_dtypes(path)
-    fp8 = quant_method == quant.METHOD
     for key, dt in c.dtypes.items():
         name = _strip(key)
         target = _target(name)
-        if fp8 and key.endswith("." + quant.SCALE):
-            weight = key[: -len(quant.SCALE)] + "weight"
-            if c.dtypes.get(weight) == FP8_ST and _target(_strip(weight)) in params:
-                c.consumed[key] = name              # read with its weight (an FP8 parameter, or dequantized)
+        if sch and key.endswith("." + sch.scale):
+            weight = key[: -len(sch.scale)] + "weight"
+            if c.dtypes.get(weight) == sch.st_dtype and _target(_strip(weight)) in params:
+                c.consumed[key] = name              # read with its weight (a quantized parameter, or dequantized)
                 continue
         if target in params:
             c.consumed[key] = name
             p = params[target]
-            if fp8 and dt == FP8_ST:
-                if key[: -len("weight")] + quant.SCALE not in c.dtypes:
+            if sch and dt == sch.st_dtype and key.endswith("weight"):
+                if key[: -len("weight")] + sch.scale not in c.dtypes:
                     c.no_scale.append(key)
-            elif dt not in FLOAT_DTYPES and p.is_floating_point() or (p.dtype == quant.FP8 and dt != FP8_ST):
+            elif dt not in FLOAT_DTYPES and p.is_floating_point() or (p.dtype in quant.QUANT_DTYPES and
+                                                                       dt != DTYPE_ST.get(p.dtype)):
                 c.bad_dtype.append((key, dt, target))
             continue
         if name == "lm_head.weight" and tied_lm_head:
@@ -255,15 +263,15 @@ def load_into(model: torch.nn.Module, path: str | Path, dtype: torch.dtype, allo
               quant_method: str | None = None) -> None:
     """Fill every parameter of `model` from the checkpoint at `path`, cast to dtype; strict (see the module
     docstring: allow_unused only lets tensors that nothing consumes through, logged). FP8 parameters
-    (graphs/quant.py make_fp8) take their e4m3 weight and fp32 scales as they are."""
+    (graphs/quant.py make_quantized) take their quantized weight and fp32 scales as they are."""
     expected = dict(model.named_parameters())
     c = census(path, expected, tied_lm_head="lm_head.weight" not in expected, quant_method=quant_method)
     c.check(allow_unused)
     c.log()
     tensors = read_checkpoint(c)
-    if quant_method == quant.METHOD:
+    if quant_method is not None:
         try:
-            tensors = quant.dequantize_unheld(tensors, expected, dtype)
+            tensors = quant.dequantize_unheld(tensors, expected, dtype, quant.SCHEMES[quant_method])
         except quant.QuantError as e:
             raise LoadError(f"{e} in {path}") from None
     tensors = fuse_experts(tensors)
@@ -273,6 +281,6 @@ def load_into(model: torch.nn.Module, path: str | Path, dtype: torch.dtype, allo
         t = tensors[name]
         if tuple(t.shape) != tuple(p.shape):
             raise LoadError(f"shape mismatch for {name!r}: checkpoint {list(t.shape)}, model expects {list(p.shape)}")
-        keep = p.dtype == quant.FP8 or name.endswith("." + quant.SCALE)     # e4m3 bytes, fp32 block scales
+        keep = p.dtype in quant.QUANT_DTYPES or name.endswith((".weight_scale_inv", ".weight_scale"))  # q, fp32 scales
         with torch.no_grad():
             p.data = (t if keep else t.to(dtype)).contiguous()

@@ -108,6 +108,15 @@ def case_linear_fp8(g):
     return [g.m(5, 160), (g.f(130, 160) * 8).to(torch.float8_e4m3fn), g.f(2, 2).abs() * 0.01]
 
 
+def case_linear_w8a8_int8(g):
+    """w [130, 160] int8 per-channel; x in the model dtype (quantized per row inside the op)."""
+    return [g.m(5, 160), (g.f(130, 160) * 60).round().clamp(-127, 127).to(torch.int8), g.f(130, 1).abs() * 0.01]
+
+
+def case_linear_w8a8_fp8(g):
+    return [g.m(5, 160), (g.f(130, 160) * 8).to(torch.float8_e4m3fn), g.f(130, 1).abs() * 0.01]
+
+
 def gdn_params(g):
     A_log = ("model", torch.empty(HV).uniform_(1.0, 16.0, generator=g.g).log())
     dt_bias = ("model", torch.empty(HV).uniform_(-1.0, 1.0, generator=g.g))
@@ -155,7 +164,7 @@ def test_every_registered_op_has_a_case():
 def test_opcheck(name):
     spec = REGISTRY[name]
     # torch 2.13's schema check compares each input before/after with allclose, which has no float8 CPU kernel
-    utils = ("test_faketensor",) if name == "linear_fp8" else ("test_schema", "test_faketensor")
+    utils = ("test_faketensor",) if name in ("linear_fp8", "linear_w8a8_fp8") else ("test_schema", "test_faketensor")
     torch.library.opcheck(spec.op, tuple(op_args(name)), test_utils=utils)
 
 
@@ -222,6 +231,12 @@ VALIDATION = [
     ("linear_f32", 0, torch.zeros(H), "linear_f32 x: expected shape [*, *]"),
     ("linear_fp8", 2, torch.zeros(1, 2), "linear_fp8 scale (one per 128x128 block of w): expected shape [2, 2]"),
     ("linear_fp8", 1, torch.zeros(130, 160), "linear_fp8 w: expected dtype torch.float8_e4m3fn"),
+    ("linear_w8a8_int8", 2, torch.zeros(130), "linear_w8a8_int8 scale (one per output channel of w): expected shape "
+                                              "[130, 1]"),
+    ("linear_w8a8_int8", 1, torch.zeros(130, 160), "linear_w8a8_int8 w: expected dtype torch.int8"),
+    ("linear_w8a8_fp8", 2, torch.zeros(2, 2), "linear_w8a8_fp8 scale (one per output channel of w): expected shape "
+                                              "[130, 1]"),
+    ("linear_w8a8_fp8", 0, torch.zeros(5, 161), "linear_w8a8_fp8 w: expected shape [*, 161]"),
     ("gdn_decode_step", 1, torch.zeros(B, HV + 1), f"gdn_decode_step a: expected shape [{B}, {HV}]"),
     ("gdn_decode_step", 0, torch.zeros(B, C + 1), f"qkv channels {C + 1} != 2*{HK}*{K} + {HV}*{V}"),
     ("gdn_decode_step", 3, torch.zeros(S, C, W), f"gdn_decode_step conv_state: expected shape [{S}, {C}, {W - 1}]"),

@@ -19,6 +19,7 @@ One file per op (kernel + launcher + triton_op), sharing `_common.py`:
   sample.py            greedy / Gumbel-max sampling with top-k / top-p, no vocabulary sort
   linear.py            projection GEMV at decode sizes (tile by (M, K) only)
   linear_fp8.py        block-FP8 weight projection: e4m3 bytes and 128x128 scales applied in registers
+  linear_w8a8.py       W8A8 projections (int8 / e4m3 per-channel weights, activations quantized per token)
 
 Without triton installed nothing is registered (AVAILABLE is False, IMPORT_ERROR says why) and the
 registry fails closed for every op whose CUDA lowering is "triton". This guarded import is the only
@@ -34,5 +35,5 @@ else:
     AVAILABLE = True
     IMPORT_ERROR = None
     from . import (attention_decode, attention_prefill, causal_conv, fused_moe, linear,  # noqa: F401  (register)
-                   gdn_decode_step, gdn_prefill, linear_fp8, norms, qk_norm_rope, rope,
+                   gdn_decode_step, gdn_prefill, linear_fp8, linear_w8a8, norms, qk_norm_rope, rope,
                    sample)
