@@ -161,12 +161,14 @@ class GatedDeltaNet(nn.Module):
 
     def decode(self, x, slots, conv, rec):
         """x [B, H] -> [B, H]; writes this step's conv/rec rows of `slots`."""
-        qkv, z, b, a = self._in(x)
-        core, new_conv, new_rec = ops.gdn_decode_step(
-            qkv, a, b, conv, rec, slots, self.conv1d.weight[:, 0, :], self.A_log, self.dt_bias, self.num_k_heads)
+        qkv, z, b, a = self._in(x)                   # views of the fused projection's output, no copies
+        # the step and the output norm in one op; export may fold the two row writes into it (export/inplace.py)
+        y, new_conv, new_rec = ops.gdn_decode_step_norm(
+            qkv, a, b, z, conv, rec, slots, self.conv1d.weight[:, 0, :], self.A_log, self.dt_bias, self.norm.weight,
+            self.num_k_heads, self.cfg.rms_norm_eps)                             # y [B, HV, V]
         conv.index_copy_(0, slots, new_conv)
         rec.index_copy_(0, slots, new_rec)
-        return self._finish(core, z)
+        return self.out_proj(y.reshape(x.shape[0], -1))
 
     def prefill(self, x, slot, start_pos, n_valid, conv, rec):
         """x [T, H] -> [T, H]; tokens >= n_valid are padding and leave the state untouched."""

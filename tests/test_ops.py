@@ -129,6 +129,12 @@ def case_gdn_decode_step(g):
             g.m(C, W, scale=0.5), A_log, dt_bias, HK]
 
 
+def case_gdn_decode_step_norm(g):
+    A_log, dt_bias = gdn_params(g)
+    return [g.m(B, C), g.m(B, HV), g.m(B, HV), g.m(B, HV * V), g.m(S, C, W - 1), g.f(S, HV, K, V, scale=0.5),
+            i64([2, 0, 3]), g.m(C, W, scale=0.5), A_log, dt_bias, g.m(V), HK, 1e-6]
+
+
 def case_gdn_prefill(g):
     x = F.silu(g.f(T, C))
     gate = -F.softplus(g.f(T, HV))
@@ -240,6 +246,8 @@ VALIDATION = [
     ("gdn_decode_step", 1, torch.zeros(B, HV + 1), f"gdn_decode_step a: expected shape [{B}, {HV}]"),
     ("gdn_decode_step", 0, torch.zeros(B, C + 1), f"qkv channels {C + 1} != 2*{HK}*{K} + {HV}*{V}"),
     ("gdn_decode_step", 3, torch.zeros(S, C, W), f"gdn_decode_step conv_state: expected shape [{S}, {C}, {W - 1}]"),
+    ("gdn_decode_step_norm", 3, torch.zeros(B, HV * V + 1), f"gdn_decode_step_norm z: expected shape [{B}, {HV * V}]"),
+    ("gdn_decode_step_norm", 10, torch.zeros(V + 1), f"gdn_decode_step_norm norm_weight: expected shape [{V}]"),
     ("gdn_prefill", 1, torch.zeros(T, HV - 1), f"gdn_prefill g: expected shape [{T}, {HV}]"),
     ("gdn_prefill", 4, i64([0, 1]), "gdn_prefill slot: expected shape [1]"),
     ("gdn_prefill", 0, torch.zeros(T, C - 1), f"x channels {C - 1} != 2*{HK}*{K} + {HV}*{V}"),

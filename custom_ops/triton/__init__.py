@@ -7,6 +7,7 @@ swaps them at export time and AOTInductor compiles the kernels into the artifact
 
 One file per op (kernel + launcher + triton_op), sharing `_common.py`:
   gdn_decode_step.py   one fused kernel: conv window + SiLU, gates, L2 norm, fp32 delta rule
+  gdn_decode_step_norm.py  the same with the output gated RMSNorm folded in, and an in-place twin
   gdn_prefill.py       chunked delta rule: WY/UT transform, sequential state pass, output (3 kernels)
   fused_moe.py         router (aten GEMM, then softmax + top-k in one kernel), SwiGLU(gate_up) and down + combine
   fused_moe_prefill.py the T*k > E path of fused_moe: grouped GEMM over pairs sorted by expert
@@ -35,5 +36,5 @@ else:
     AVAILABLE = True
     IMPORT_ERROR = None
     from . import (attention_decode, attention_prefill, causal_conv, fused_moe, linear,  # noqa: F401  (register)
-                   gdn_decode_step, gdn_prefill, linear_fp8, linear_w8a8, norms, qk_norm_rope, rope,
-                   sample)
+                   gdn_decode_step, gdn_decode_step_norm, gdn_prefill, linear_fp8, linear_w8a8, norms,
+                   qk_norm_rope, rope, sample)

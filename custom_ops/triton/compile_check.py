@@ -26,11 +26,11 @@ from triton.runtime.jit import JITFunction
 from triton.backends.compiler import GPUTarget
 
 from .. import _registry
-from . import (attention_decode, attention_prefill, causal_conv, fused_moe, gdn_decode_step, gdn_prefill, linear,
-               linear_fp8, norms, qk_norm_rope, rope, sample)
+from . import (attention_decode, attention_prefill, causal_conv, fused_moe, gdn_decode_step, gdn_decode_step_norm,
+               gdn_prefill, linear, linear_fp8, norms, qk_norm_rope, rope, sample)
 
-MODULES = (attention_decode, attention_prefill, causal_conv, fused_moe, gdn_decode_step, gdn_prefill, linear,
-           linear_fp8, norms, qk_norm_rope, rope, sample)
+MODULES = (attention_decode, attention_prefill, causal_conv, fused_moe, gdn_decode_step, gdn_decode_step_norm,
+           gdn_prefill, linear, linear_fp8, norms, qk_norm_rope, rope, sample)
 SMEM_LIMIT = 232448            # bytes per block on sm_90 (227 KiB opt-in)
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
           torch.int32: "i32", torch.float8_e4m3fn: "fp8e4nv"}
@@ -45,6 +45,11 @@ def cases(B: int):
                               torch.empty(S, 8192, 3, **bf), torch.empty(S, 32, 128, 128, dtype=torch.float32, **m),
                               torch.empty(B, dtype=torch.int64, **m), torch.empty(8192, 4, **bf),
                               torch.empty(32, **bf), torch.empty(32, **bf), 16)
+    yield "gdn_decode_step_norm", (torch.empty(B, 12352, **bf)[:, :8192], torch.empty(B, 32, **bf),
+                                   torch.empty(B, 32, **bf), torch.empty(B, 4096, **bf), torch.empty(S, 8192, 3, **bf),
+                                   torch.empty(S, 32, 128, 128, dtype=torch.float32, **m),
+                                   torch.empty(B, dtype=torch.int64, **m), torch.empty(8192, 4, **bf),
+                                   torch.empty(32, **bf), torch.empty(32, **bf), torch.empty(128, **bf), 16, 1e-6)
     yield "fused_moe", (torch.empty(B, 2048, **bf), torch.empty(256, 2048, **bf), torch.empty(256, 1024, 2048, **bf),
                         torch.empty(256, 2048, 512, **bf), torch.empty(512, 2048, **bf), torch.empty(512, 2048, **bf),
                         torch.empty(2048, 512, **bf), torch.empty(1, 2048, **bf), 8)

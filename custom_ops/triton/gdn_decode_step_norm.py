@@ -1,0 +1,204 @@
+"""Triton lowering of gdn_decode_step_norm: ONE kernel per call (contract: custom_ops/gdn_decode_step_norm.py),
+and its in-place twin that writes the new state rows straight into the state at `slots`.
+
+Grid (B, HK); program (b, hk) owns key head hk and its REP = HV/HK value heads, whole:
+  conv window (conv_state[slots[b]] ‖ qkv[b]) · conv_weight + SiLU of its q, k (K channels each) and its
+  REP heads' v (REP*V channels), rounded as the reference rounds (see gdn_decode_step's kernel);
+  q, k L2-normed (eps 1e-6), q scaled by K^-0.5; per head beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias);
+  S [REP, K, V] fp32 (in registers) = rec_state[slots[b], heads] * exp(g); S += k (beta (v - S^T k))^T;
+  out = S^T q rounded to qkv.dtype; y = w * norm(out) * silu(z) over each head's V (gated_rms_norm's roundings).
+Why whole heads: the norm needs a head's whole V (one program, no cross-program reduction), and the
+in-place twin needs every state element a program reads to be written by that program only — the q/k
+conv rows of key head hk are read by all REP of its value heads, so one program owns them all.
+All loads come first, then (in place: after a block barrier, as the shifted conv-window store crosses
+threads) every store: each program reads its rows before it overwrites them. Padding rows share the
+scratch slot; their programs race on its rows, which nothing reads back (any mix of finite updates).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op
+
+from .. import _registry
+from ..gdn_decode_step_norm import _validate
+from ._common import launch, next_pow2, rnd, to_dt
+
+
+@triton.jit
+def _window(x_row, sx_c, cs_row, scs_c, scs_w, ch, ch_mask, W: tl.constexpr, WP: tl.constexpr):
+    """The conv window of channels `ch` [N]: conv-state row ‖ x -> [N, WP] in the state dtype."""
+    t = tl.arange(0, WP)
+    st = tl.load(cs_row + ch[:, None] * scs_c + t[None, :] * scs_w,
+                 mask=ch_mask[:, None] & (t[None, :] < W - 1), other=0.0)
+    x = tl.load(x_row + ch * sx_c, mask=ch_mask, other=0.0)
+    return tl.where(t[None, :] == W - 1, to_dt(x, st.dtype)[:, None], st)
+
+
+@triton.jit
+def _conv_silu(win, w_ptr, sw_c, sw_w, ch, ch_mask, W: tl.constexpr, WP: tl.constexpr, XDT: tl.constexpr):
+    """Depthwise conv + SiLU of a window [N, WP] -> fp32 [N] rounded through XDT: the reference multiplies
+    and sums in the weight dtype, then SiLU, then casts to qkv.dtype."""
+    t = tl.arange(0, WP)
+    w = tl.load(w_ptr + ch[:, None] * sw_c + t[None, :] * sw_w, mask=ch_mask[:, None] & (t[None, :] < W), other=0.0)
+    WDT: tl.constexpr = w_ptr.dtype.element_ty
+    prod = rnd(rnd(win.to(tl.float32), WDT) * w.to(tl.float32), WDT)
+    acc = rnd(tl.sum(prod, axis=1), WDT)
+    return rnd(rnd(acc * tl.sigmoid(acc), WDT), XDT)
+
+
+@triton.jit
+def _store_window(nc_row, snc_c, snc_w, win, ch, ch_mask, W: tl.constexpr, WP: tl.constexpr):
+    """New conv-state row of channels `ch`: the window shifted by one tap (its last W-1 taps)."""
+    t = tl.arange(0, WP)
+    tl.store(nc_row + ch[:, None] * snc_c + (t[None, :] - 1) * snc_w, win,
+             mask=ch_mask[:, None] & (t[None, :] >= 1) & (t[None, :] < W))
+
+
+@triton.jit
+def _gdn_decode_norm_kernel(
+        qkv, a, b, z, conv_state, rec_state, slots, conv_w, A_log, dt_bias, norm_w,
+        y, new_conv, new_rec,
+        s_qkv_b, s_qkv_c, s_a_b, s_a_h, s_b_b, s_b_h, s_z_b, s_z_c,
+        s_cs_s, s_cs_c, s_cs_w, s_rs_s, s_rs_h, s_rs_k, s_rs_v,
+        s_w_c, s_w_w, s_y_b, s_y_h, s_y_v,
+        s_nc_b, s_nc_c, s_nc_w, s_nr_b, s_nr_h, s_nr_k, s_nr_v,
+        q_scale, eps,
+        HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, REP: tl.constexpr, RP: tl.constexpr,
+        W: tl.constexpr, WP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        ROUND_MID: tl.constexpr, IN_PLACE: tl.constexpr):
+    i_b = tl.program_id(0)
+    hk = tl.program_id(1)
+    XDT: tl.constexpr = qkv.dtype.element_ty
+
+    slot = tl.load(slots + i_b)                                            # int64: 64-bit offsets
+    row = i_b.to(tl.int64)                                                 # the output row: b, or
+    if IN_PLACE:                                                           # the state's own row
+        row = slot
+    x_row = qkv + i_b * s_qkv_b
+    cs_row = conv_state + slot * s_cs_s
+
+    # ---- every load first
+    offs_k = tl.arange(0, BK)
+    mk = offs_k < K
+    offs_r = tl.arange(0, RP)
+    mr = offs_r < REP
+    heads = hk * REP + offs_r                                              # [RP] value heads
+    offs_v = tl.arange(0, BV)
+    mv = offs_v < V
+    ch_q = hk * K + offs_k
+    ch_k = HK * K + hk * K + offs_k
+    i_rv = tl.arange(0, RP * BV)                                           # the REP heads' v channels, flat
+    m_rv = ((i_rv // BV) < REP) & ((i_rv % BV) < V)
+    ch_v = 2 * HK * K + (hk * REP + i_rv // BV) * V + i_rv % BV
+    win_q = _window(x_row, s_qkv_c, cs_row, s_cs_c, s_cs_w, ch_q, mk, W, WP)
+    win_k = _window(x_row, s_qkv_c, cs_row, s_cs_c, s_cs_w, ch_k, mk, W, WP)
+    win_v = _window(x_row, s_qkv_c, cs_row, s_cs_c, s_cs_w, ch_v, m_rv, W, WP)
+
+    r3 = offs_r[:, None, None]
+    k3 = offs_k[None, :, None]
+    v3 = offs_v[None, None, :]
+    m3 = (r3 < REP) & (k3 < K) & (v3 < V)
+    S = tl.load(rec_state + slot * s_rs_s + (hk * REP + r3) * s_rs_h + k3 * s_rs_k + v3 * s_rs_v,
+                mask=m3, other=0.0)                                        # [RP, BK, BV] fp32
+
+    av = tl.load(a + i_b * s_a_b + heads * s_a_h, mask=mr, other=0.0).to(tl.float32) \
+        + tl.load(dt_bias + heads, mask=mr, other=0.0).to(tl.float32)
+    A = tl.load(A_log + heads, mask=mr, other=0.0).to(tl.float32)
+    bv = tl.load(b + i_b * s_b_b + heads * s_b_h, mask=mr, other=0.0).to(tl.float32)
+    m2 = mr[:, None] & mv[None, :]
+    zf = tl.load(z + i_b * s_z_b + (heads[:, None] * V + offs_v[None, :]) * s_z_c, mask=m2,
+                 other=0.0).to(tl.float32)                                 # [RP, BV]
+    wn = tl.load(norm_w + offs_v, mask=mv, other=0.0).to(tl.float32)      # [BV]
+
+    # ---- compute
+    q = _conv_silu(win_q, conv_w, s_w_c, s_w_w, ch_q, mk, W, WP, XDT)                      # [BK]
+    k = _conv_silu(win_k, conv_w, s_w_c, s_w_w, ch_k, mk, W, WP, XDT)
+    v = tl.reshape(_conv_silu(win_v, conv_w, s_w_c, s_w_w, ch_v, m_rv, W, WP, XDT), (RP, BV))
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * tl.cast(q_scale, tl.float32)
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+
+    # gates (fp32): g = -exp(A_log) * softplus(a + dt_bias); beta = sigmoid(b) rounded like b.sigmoid()
+    sp = tl.where(av > 20.0, av, tl.log(1.0 + tl.exp(tl.minimum(av, 20.0))))   # F.softplus, threshold 20
+    g = -tl.exp(A) * sp                                                    # [RP]
+    beta = rnd(tl.sigmoid(bv), b.dtype.element_ty)
+
+    S = S * tl.exp(g)[:, None, None]
+    kv = tl.sum(S * k[None, :, None], axis=1)                              # [RP, BV]
+    delta = (v - kv) * beta[:, None]
+    S = S + k[None, :, None] * delta[:, None, :]
+    o = rnd(tl.sum(S * q[None, :, None], axis=1), XDT)                     # [RP, BV]: out.to(qkv.dtype)
+
+    # gated_rms_norm of each head's V: norm(o).to(dtype), w * that in promote(w, dtype), * silu(z) fp32
+    inv = tl.rsqrt(tl.sum(o * o, axis=1) / V + tl.cast(eps, tl.float32))  # [RP]; AOTI passes floats as fp64
+    yv = wn[None, :] * rnd(o * inv[:, None], XDT)
+    if ROUND_MID:
+        yv = rnd(yv, XDT)
+    yv = yv * (zf * tl.sigmoid(zf))
+
+    # ---- every store
+    if IN_PLACE:
+        tl.debug_barrier()                   # all of this block's loads are done before any row is overwritten
+    tl.store(y + i_b * s_y_b + heads[:, None] * s_y_h + offs_v[None, :] * s_y_v, to_dt(yv, y.dtype.element_ty),
+             mask=m2)
+    nc_row = new_conv + row * s_nc_b
+    _store_window(nc_row, s_nc_c, s_nc_w, win_q, ch_q, mk, W, WP)
+    _store_window(nc_row, s_nc_c, s_nc_w, win_k, ch_k, mk, W, WP)
+    _store_window(nc_row, s_nc_c, s_nc_w, win_v, ch_v, m_rv, W, WP)
+    tl.store(new_rec + row * s_nr_b + (hk * REP + r3) * s_nr_h + k3 * s_nr_k + v3 * s_nr_v, S, mask=m3)
+
+
+def _launch(qkv, a, b, z, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, norm_weight, num_k_heads,
+            eps, y, new_conv, new_rec, in_place: bool):
+    B = qkv.shape[0]
+    _, HV, K, V = rec_state.shape
+    W = conv_weight.shape[1]
+    REP = HV // num_k_heads
+    RP, BK, BV = next_pow2(REP), next_pow2(K), next_pow2(V)
+    n = RP * BK * BV                                  # state elements per program (35B: 2*128*128)
+    launch(_gdn_decode_norm_kernel, (B, num_k_heads),
+           qkv, a, b, z, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, norm_weight, y, new_conv, new_rec,
+           *qkv.stride(), *a.stride(), *b.stride(), *z.stride(), *conv_state.stride(), *rec_state.stride(),
+           *conv_weight.stride(), *y.stride(), *new_conv.stride(), *new_rec.stride(),
+           float(K) ** -0.5, eps,
+           HK=num_k_heads, K=K, V=V, REP=REP, RP=RP, W=W, WP=next_pow2(W), BK=BK, BV=BV,
+           ROUND_MID=torch.promote_types(norm_weight.dtype, qkv.dtype) == qkv.dtype, IN_PLACE=in_place,
+           num_warps=4 if n <= 4096 else 8 if n <= 16384 else 16)
+
+
+@triton_op("onegraph::gdn_decode_step_norm_triton", mutates_args=())
+def gdn_decode_step_norm_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: torch.Tensor,
+                                conv_state: torch.Tensor, rec_state: torch.Tensor, slots: torch.Tensor,
+                                conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                                norm_weight: torch.Tensor, num_k_heads: int,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _validate(qkv, a, b, z, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, norm_weight, num_k_heads, eps)
+    B, C = qkv.shape
+    _, HV, K, V = rec_state.shape
+    y = qkv.new_empty((B, HV, V))
+    new_conv = conv_state.new_empty((B, C, conv_weight.shape[1] - 1))
+    new_rec = rec_state.new_empty((B, HV, K, V))
+    _launch(qkv, a, b, z, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, norm_weight, num_k_heads, eps,
+            y, new_conv, new_rec, in_place=False)
+    return y, new_conv, new_rec
+
+
+@triton_op("onegraph::gdn_decode_step_norm_inplace_triton", mutates_args={"conv_state", "rec_state"})
+def gdn_decode_step_norm_inplace_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: torch.Tensor,
+                                        conv_state: torch.Tensor, rec_state: torch.Tensor, slots: torch.Tensor,
+                                        conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                                        norm_weight: torch.Tensor, num_k_heads: int, eps: float) -> torch.Tensor:
+    """gdn_decode_step_norm_triton followed by conv_state[slots] = new_conv_rows, rec_state[slots] =
+    new_rec_rows, in one kernel that writes the rows in place; returns y. Export puts it in place of that
+    pattern (export/inplace.py); never called by the model."""
+    _validate(qkv, a, b, z, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, norm_weight, num_k_heads, eps)
+    B = qkv.shape[0]
+    _, HV, _, V = rec_state.shape
+    y = qkv.new_empty((B, HV, V))
+    _launch(qkv, a, b, z, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, norm_weight, num_k_heads, eps,
+            y, conv_state, rec_state, in_place=True)
+    return y
+
+
+_registry.register_lowering("gdn_decode_step_norm", "triton", torch.ops.onegraph.gdn_decode_step_norm_triton.default)
