@@ -15,9 +15,10 @@ the same module names (`fc` 2H -> H without bias, `layers` of full_attention dec
 `lm_head` come from the main model's keys. Position t of the head reads x_{t+1} and h_t at rotary
 position t, and its logits predict x_{t+2}.
 
-Not part of the decode / prefill graphs (nor of tensor-parallel sharding): `attach_mtp` adds the head as
-`model.mtp` only when asked (load_model(..., mtp=True)), so an ordinary model, its exports and its TP
-shards are unchanged.
+Not part of an ordinary model (nor of tensor-parallel sharding): `attach_mtp` adds the head as `model.mtp`
+only when asked (load_model(..., mtp=True); `onegraph export --speculative-tokens K` asks, and its prefill
+and spec graphs run the head, graphs/spec_graphs.py), so an ordinary model, its exports and its TP shards
+are unchanged.
 """
 from __future__ import annotations
 

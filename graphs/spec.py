@@ -1,8 +1,9 @@
 """Speculative decoding with the model's own MTP head (graphs/mtp.py): draft, verify, accept, commit.
 
-Eager for now; every function below is written as the future draft / verify graphs will trace it (explicit
-state tensors indexed by slot, static k, no Python control flow on tensor values), so the graph work
-reuses them as they are.
+The eager reference, one slot at a time (generate_spec), written as graphs trace (explicit state tensors
+indexed by slot, static k, no Python control flow on tensor values). The exported graphs
+(graphs/spec_graphs.py) batch the same round over slots and reuse prefill_hidden, mtp_catch_up, _head_in
+and _stack from here; every layer loop, main model and head alike, is Qwen35Model._layers (_stack).
 
 One round for one slot. The slot's committed length is p: positions 0..p-1 are in the main model's state
 and x_p (the last accepted token) is known but not yet fed.
