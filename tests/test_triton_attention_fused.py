@@ -9,6 +9,9 @@ against their pure-torch references, and the model-level guarantees around them.
 - attention_decode's gate epilogue: the kernel's output equals its own ungated output (gate = +inf:
   sigmoid = 1) times sigmoid(gate) rounded as the reference rounds them (bit for bit but where torch's
   and Triton's fp32 sigmoid differ in the last bit: then one ulp).
+- the KV-cache writes folded into the norm + rope kernel (export/inplace_kv.py): the in-place twin
+  equals the functional kernel + index_put bit for bit, and the folded exported layer (decode and
+  prefill) equals the unfolded one, caches included.
 - Qwen35Model.decode clamps positions once per step: a position past the KV cache writes (and reads)
   its last row, exactly as the per-layer clamp did, in eager and for every layer.
 Kernels run in Triton's CPU interpreter without a GPU (tests/triton_env.py); `cuda` tests at
@@ -138,6 +141,151 @@ def test_attention_decode_gate_epilogue(dtype):
     got_split = attn_mod.run(q, kc, vc, slots, positions, D ** -0.5, gate, block_n=16, nsplit=4)
     err = (got_split.float() - reference_attention_decode(*args, gate).float()).abs().max().item()
     assert err <= tol, f"split plan vs reference: {err:.3g} > {tol}"
+
+
+# ---------------------------------------------------------------- KV writes folded into the kernel
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_kv_inplace(dtype):
+    """The in-place twin == qk_norm_rope_triton then k_cache[w_slots, :, w_pos] = k',
+    v_cache[...] = v, bit for bit (v a strided view of the projection, as in the model)."""
+    g = gen(9)
+    N, HQ, KVH, D, rot, S, T = 3, 4, 2, 32, 8, 4, 10
+    qkv = torch.randn(N, HQ * 2 * D + 2 * KVH * D, generator=g).to(dtype).to(DEVICE)
+    qg, k, v = qkv.split([HQ * 2 * D, KVH * D, KVH * D], dim=-1)
+    q, k, v = qg.view(N, HQ, 2 * D)[..., :D], k.view(N, KVH, D), v.view(N, KVH, D)
+    wq, wk = [(torch.randn(D, generator=g) * 0.2).to(dtype).to(DEVICE) for _ in range(2)]
+    positions = torch.tensor([0, 7, 4000], device=DEVICE)
+    w_slots, w_pos = torch.tensor([3, 0, 2], device=DEVICE), torch.tensor([9, 0, 4], device=DEVICE)
+    kc, vc = [torch.randn(S, KVH, T, D, generator=g).to(dtype).to(DEVICE) for _ in range(2)]
+    ref_kc, ref_vc = kc.clone(), vc.clone()
+    rq, rk = ops.qk_norm_rope_triton(q, k, wq, wk, positions, inv_freq(rot), 1e-6)
+    ref_kc[w_slots, :, w_pos] = rk
+    ref_vc[w_slots, :, w_pos] = v
+    got = ops.qk_norm_rope_kv_inplace_triton(q, k, v, wq, wk, positions, inv_freq(rot), 1e-6, w_slots, w_pos, kc, vc)
+    assert torch.equal(got, rq), "q' differs from the functional kernel"
+    assert torch.equal(kc, ref_kc), "k cache differs from index_put of k'"
+    assert torch.equal(vc, ref_vc), "v cache differs from index_put of v"
+
+
+def _attention_layer_programs(model, kind):
+    """The tiny attention layer's decode (positions already clamped) or prefill (2 padding rows),
+    exported and lowered with the Triton ops: (module, inputs, unfolded program, folded program, folded count)."""
+    from onegraph.custom_ops import decompositions
+    from onegraph.export.inplace_kv import fold_kv_writes
+    cfg = model.cfg
+    attn, inv = model.layers[cfg.layer_types.index("full_attention")].self_attn, model.inv_freq
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = attn
+
+        def forward(self, x, slots, positions, n_valid, kc, vc):
+            if kind == "decode":
+                return self.attn.decode_clamped(x, slots, positions, inv, kc, vc)
+            return self.attn.prefill(x, slots, positions, n_valid, inv, kc, vc)
+
+    g, dt, dev = gen(3), model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
+    S, T = 4, 16
+    N = 3 if kind == "decode" else 6
+    cache = lambda: torch.randn(S, cfg.num_kv_heads, T, cfg.head_dim, generator=g).to(dt).to(dev)  # noqa: E731
+    if kind == "decode":
+        slots, positions = torch.tensor([2, 0, 3]), torch.tensor([5, 0, 15])
+    else:
+        slots, positions = torch.tensor([1]), torch.tensor([4])
+    inputs = (torch.randn(N, cfg.hidden_size, generator=g).to(dt).to(dev), slots.to(dev), positions.to(dev),
+              torch.tensor([N - 2], device=dev), cache(), cache())
+    with torch.no_grad():
+        plain = torch.export.export(Layer(), tuple(t.clone() for t in inputs), strict=False)
+        plain = plain.run_decompositions(decompositions("cuda"))
+        folded = torch.export.export(Layer(), tuple(t.clone() for t in inputs), strict=False)
+        folded = folded.run_decompositions(decompositions("cuda"))
+    return Layer(), inputs, plain, folded, fold_kv_writes(folded)
+
+
+@pytest.fixture(scope="module")
+def tiny_dev():
+    from onegraph.graphs.load import load_model
+    return load_model("tiny", "float32", DEVICE)[1]
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_fold_kv_writes(tiny_dev, kind):
+    """export/inplace_kv.py: the layer's qk_norm_rope + two index_puts become one in-place twin (no
+    index_put left), and the folded program computes what the unfolded one does, caches included,
+    bit for bit (the Triton kernels run in the interpreter without a GPU)."""
+    import operator
+
+    layer, inputs, plain, folded, n = _attention_layer_programs(tiny_dev, kind)
+    assert n == 1
+    targets = [n.target for n in folded.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.index_put.default not in targets
+    assert torch.ops.onegraph.qk_norm_rope_triton.default not in targets
+    twins = [n for n in folded.graph.nodes if n.op == "call_function" and n.target is not operator.getitem
+             and n.args and n.args[0] is torch.ops.onegraph.qk_norm_rope_kv_inplace_triton.default]
+    assert len(twins) == 1, targets
+    a, b, e = ([t.clone() for t in inputs] for _ in range(3))
+    with torch.no_grad():
+        want = plain.module()(*a)
+        got = folded.module()(*b)
+        ref = layer(*e)
+    assert torch.equal(got, want)
+    assert torch.equal(b[4], a[4]) and torch.equal(b[5], a[5]), "KV caches differ from the unfolded program"
+    assert not torch.equal(b[4], inputs[4]), "nothing was written into the k cache"
+    assert (got - ref).abs().max().item() <= 1e-4                # the Triton kernels vs the eager references
+
+
+AOTI_FOLD_SCRIPT = """
+import logging, sys, tempfile, torch
+sys.path.insert(0, {tests!r})
+import test_triton_attention_fused as t
+from onegraph.custom_ops import PYTHON_CALLS
+from onegraph.graphs.load import load_model
+
+warnings = []
+class Catch(logging.Handler):
+    def emit(self, record):
+        warnings.append(record.getMessage())
+logging.getLogger("torch._higher_order_ops.triton_kernel_wrap").addHandler(Catch())
+model = load_model("tiny", "bfloat16", "cuda")[1]
+for kind in ("decode", "prefill"):
+    layer, inputs, plain, folded, n = t._attention_layer_programs(model, kind)
+    assert n == 1, n
+    path = torch._inductor.aoti_compile_and_package(folded, package_path=tempfile.mkdtemp() + "/f.pt2")
+    assert not [w for w in warnings if "assuming every input is mutated" in w], warnings
+    pkg = torch._inductor.aoti_load_package(path)
+    a, b = [x.clone() for x in inputs], [x.clone() for x in inputs]
+    before = dict(PYTHON_CALLS)
+    with torch.no_grad():
+        want = plain.module()(*a)
+        got = pkg(*b)
+    torch.cuda.synchronize()
+    assert dict(PYTHON_CALLS) == before, "Python reference called"
+    got = got[0] if isinstance(got, (list, tuple)) else got
+    assert torch.equal(got, want), (kind, (got.float() - want.float()).abs().max().item())
+    assert torch.equal(b[4], a[4]) and torch.equal(b[5], a[5]), kind + ": KV caches differ"
+    assert not torch.equal(b[4], inputs[4]), kind + ": k cache not written in place"
+print("AOTI FOLD OK")
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (DEVICE == "cuda" and HAVE_TRITON), reason="needs a CUDA device and triton")
+def test_fold_kv_writes_aoti(tmp_path):
+    """The folded attention layer (bf16 tiny, decode and prefill) compiled by AOTInductor: Inductor's
+    mutation analysis understood the in-place twin (no 'assuming every input is mutated'), the package
+    writes the caches in place and equals the unfolded program bit for bit. A subprocess: on the H200
+    image loading a package segfaults unless LD_PRELOAD names the system libstdc++ (docs/design.md)."""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "fold.py"
+    script.write_text(AOTI_FOLD_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0 and "AOTI FOLD OK" in res.stdout, res.stdout[-3000:] + res.stderr[-6000:]
 
 
 # ---------------------------------------------------------------- model: one clamp per step
