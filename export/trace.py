@@ -11,6 +11,7 @@ import torch
 from onegraph.custom_ops import decompositions
 
 from .entry import GraphSpec, dynamic_shapes, entry_module, example_inputs
+from .inplace import fold_state_writes, inplace_op_names
 
 ALLOWED_NAMESPACES = {"aten", "prims", "_c10d_functional", "c10d_functional"}
 
@@ -22,7 +23,9 @@ class ExportError(RuntimeError):
 def allowed_extra_ops(device_type: str) -> set[str]:
     """Qualified names of custom ops that lower to compiled kernels on this device (triton_op)."""
     from onegraph.custom_ops._registry import REGISTRY
-    return {getattr(s, "triton_name", None) for s in REGISTRY.values()} - {None} if device_type != "cpu" else set()
+    if device_type == "cpu":
+        return set()
+    return ({getattr(s, "triton_name", None) for s in REGISTRY.values()} - {None}) | inplace_op_names()
 
 
 def check_lowered(ep: torch.export.ExportedProgram, device_type: str) -> dict[str, int]:
@@ -41,7 +44,10 @@ def check_lowered(ep: torch.export.ExportedProgram, device_type: str) -> dict[st
                                   f"called back through Python on every run")
         elif isinstance(t, torch._ops.HigherOrderOperator):
             name = t.name()
-            if name not in ("triton_kernel_wrapper_functional", "triton_kernel_wrapper_mutation"):
+            inner = node.args[0] if name in ("auto_functionalized", "auto_functionalized_v2") and node.args else None
+            if isinstance(inner, torch._ops.OpOverload) and f"{inner.namespace}::{inner._opname}" in extra:
+                name = f"{inner.namespace}::{inner._opname}"      # an in-place twin put there by fold_state_writes
+            elif name not in ("triton_kernel_wrapper_functional", "triton_kernel_wrapper_mutation"):
                 raise ExportError(f"graph contains higher-order op {name} (e.g. a mutating custom op wrapped in "
                                   f"auto_functionalized); onegraph ops must be functional")
         else:
@@ -57,4 +63,6 @@ def trace(model, spec: GraphSpec, device, kernels: str = "auto") -> tuple[torch.
         ep = torch.export.export(entry_module(model, spec.kind, spec.k), args, dynamic_shapes=dynamic_shapes(spec),
                                  strict=False)
         ep = ep.run_decompositions(decompositions(dev.type, kernels))
+        if dev.type != "cpu" and kernels == "auto":
+            fold_state_writes(ep)          # the Triton kernels write decode state rows in place
     return ep, check_lowered(ep, dev.type)

@@ -1,0 +1,108 @@
+"""Fold a decode step's state write-back into the kernel that computes the new rows (CUDA/XPU lowering).
+
+The model and the ops are functional (docs/design.md): GDN decode returns the new state rows and the
+model writes them back, `conv.index_copy_(0, slots, new_conv)` and `rec.index_copy_(0, slots, new_rec)`.
+Lowered as such, each write-back is its own kernel that reads the rows the step just wrote and writes
+them again (35B, batch 1: 2 launches and 2 x 2 MiB of extra traffic per GDN layer). After the Triton
+lowering is in the graph, this pass rewrites, per GDN layer,
+
+    y, new_conv, new_rec = onegraph.gdn_decode_step_norm_triton(qkv, a, b, z, conv, rec, slots, ...)
+    conv' = aten.index_copy(conv, 0, slots, new_conv);  rec' = aten.index_copy(rec, 0, slots, new_rec)
+
+into the functionalized call of the in-place twin, the form torch.export itself gives a mutating op:
+
+    y, conv', rec' = auto_functionalized_v2(onegraph.gdn_decode_step_norm_inplace_triton, ..., _all_bases=[conv, rec])
+
+conv' and rec' take the index_copy results' place (the graph's input-mutation outputs). The value is the
+same by the op's contract (rows at `slots` replaced, the rest kept), and AOTInductor re-inplaces an
+auto-functionalized op whose mutated bases are graph inputs that the graph mutates anyway: the kernel
+writes the state rows in place, no clone, no copy. Only that exact pattern is rewritten (the state a
+graph input, both new-row outputs used only by their index_copy at the op's own slots); anything else,
+e.g. speculative verify's per-position snapshots, keeps the functional op.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
+from torch.export.graph_signature import TensorArgument
+
+# functional Triton op -> its in-place twin; the mutated args' names in the twin's schema (in order)
+INPLACE = {"onegraph::gdn_decode_step_norm_triton": ("onegraph::gdn_decode_step_norm_inplace_triton",
+                                                       ("conv_state", "rec_state"))}
+
+
+def inplace_op_names() -> set[str]:
+    """The qualified names this pass may put in a graph (export's allow-list)."""
+    return {twin for twin, _ in INPLACE.values()}
+
+
+def _qualname(target) -> str | None:
+    return f"{target.namespace}::{target._opname}" if isinstance(target, torch._ops.OpOverload) else None
+
+
+def _write_back(getitem_node, base, slots):
+    """The one user of `getitem_node` if it is aten.index_copy(base, 0, slots, getitem_node), else None."""
+    users = list(getitem_node.users)
+    if len(users) != 1:
+        return None
+    ic = users[0]
+    if ic.target is not torch.ops.aten.index_copy.default or tuple(ic.args) != (base, 0, slots, getitem_node):
+        return None
+    return ic
+
+
+def fold_state_writes(ep: torch.export.ExportedProgram) -> int:
+    """Rewrites `ep` in place (see the module docstring); returns how many ops were folded."""
+    gm, graph = ep.graph_module, ep.graph
+    user_inputs = {s.arg.name for s in ep.graph_signature.input_specs
+                   if s.kind == torch.export.graph_signature.InputKind.USER_INPUT}
+    renamed: dict[str, str] = {}
+    folded = 0
+    for node in list(graph.nodes):
+        twin = INPLACE.get(_qualname(node.target)) if node.op == "call_function" else None
+        if twin is None:
+            continue
+        twin_name, mutated = twin
+        twin_op = getattr(getattr(torch.ops, twin_name.split("::")[0]), twin_name.split("::")[1]).default
+        schema = node.target._schema
+        args = dict(zip([a.name for a in schema.arguments], node.args))
+        args.update(node.kwargs)
+        outs = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+        if len(outs) != len(node.users) or set(outs) - {0, 1, 2} or 1 not in outs or 2 not in outs:
+            continue
+        bases = [args[m] for m in mutated]
+        if not all(b.op == "placeholder" and b.name in user_inputs for b in bases):
+            continue
+        writes = [_write_back(outs[i], b, args["slots"]) for i, b in zip((1, 2), bases)]
+        if any(w is None for w in writes):
+            continue
+        kwargs = {k: v for k, v in args.items() if k not in mutated}
+        kwargs.update({f"_{m}_base_index": i for i, m in enumerate(mutated)})
+        kwargs["_all_bases"] = bases
+        with graph.inserting_before(node):
+            af = graph.call_function(auto_functionalized_v2, (twin_op,), kwargs)
+            news = [graph.call_function(operator.getitem, (af, i)) for i in range(1 + len(mutated))]
+        y_val = outs[0].meta["val"] if 0 in outs else node.meta["val"][0]
+        af.meta["val"] = (y_val, *[w.meta["val"] for w in writes])
+        for n, v in zip(news, af.meta["val"]):
+            n.meta["val"] = v
+        for n in (af, *news):
+            n.meta["stack_trace"] = node.meta.get("stack_trace")
+            n.meta["nn_module_stack"] = node.meta.get("nn_module_stack")
+        if 0 in outs:
+            outs[0].replace_all_uses_with(news[0])
+        for w, new in zip(writes, news[1:]):
+            renamed[w.name] = new.name
+            w.replace_all_uses_with(new)
+        for dead in (*writes, *outs.values(), node):
+            graph.erase_node(dead)
+        folded += 1
+    if folded:
+        for spec in ep.graph_signature.output_specs:
+            if isinstance(spec.arg, TensorArgument) and spec.arg.name in renamed:
+                spec.arg = TensorArgument(name=renamed[spec.arg.name])
+        graph.lint()
+        gm.recompile()
+    return folded
