@@ -222,7 +222,7 @@ class GraphExecutor:
             toks = torch.zeros(T, dtype=torch.int64, device=d)
             toks[:len(part)] = torch.tensor(part, dtype=torch.int64)
             extra = []
-            if self.speculative_tokens:
+            if any(i["name"] == "next_tokens" for i in self.meta[f"prefill_t{T}"]["inputs"]):
                 # the MTP head's x_{t+1} per row: the prompt shifted by one; -1 at the prompt's last token,
                 # whose next token the graph samples (graphs/spec_graphs.py prefill); padding rows 0
                 nxt = torch.zeros(T, dtype=torch.int64)

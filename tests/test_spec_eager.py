@@ -6,6 +6,8 @@ k = 1..4 (the tiny model + a seeded random head: acceptance near 0), with drafts
 k) and wrong (acceptance 0) through the explicit `draft_fn` argument, at temperature > 0 with a seed; the
 committed state after every round equals the speculation-off state at the same length, position by
 position; and rows written from rejected tokens are inert: overwriting them with garbage changes nothing.
+The exported round (graphs/spec_graphs.py), run eagerly under the Engine with the trained head, gives
+the same ids for concurrent greedy and sampled requests at k = 1, 2, 4.
 """
 import itertools
 
@@ -199,3 +201,39 @@ def test_refuses(model, tiny_eager):
         generate_spec(model, PROMPT, 8, 0)
     with pytest.raises(ValueError, match="needs the model's MTP head"):
         generate_spec(tiny_eager, PROMPT, 8, 2)
+
+
+@pytest.fixture(scope="module")
+def trained(one_thread):
+    from onegraph.graphs.load import load_model
+    return load_model("tiny", mtp=True)[1]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_batched_round_through_the_engine(trained, k):
+    """The exported round (graphs/spec_graphs.py: batched slots, positions on the device), run eagerly under
+    the runtime Engine (GraphExecutor.from_model), with the trained head: two concurrent requests, one greedy
+    and one sampled, give generate_eager's ids; drafts are accepted and rejected."""
+    import threading
+    from onegraph.runtime.engine import Engine
+    from onegraph.runtime.executor import GraphExecutor
+    ex = GraphExecutor.from_model(trained, {"decode": [2], "prefill": [16], "spec": [2]}, 2, 128, speculative_tokens=k)
+    eng = Engine(ex)
+    reqs = [(PROMPT, 32, Sampling()), (list(b"import os\nimport sys\n"), 24, Sampling(0.8, 40, 0.95, 5))]
+    got = [None, None]
+
+    def run(i):
+        p, n, sp = reqs[i]
+        got[i] = eng.generate(p, n, sp.temperature, sp.top_k, sp.top_p, sp.seed)
+    try:
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        s = eng.stats()["speculation"]
+    finally:
+        eng.close()
+    for (p, n, sp), r in zip(reqs, got):
+        assert r.token_ids == generate_eager(trained, p, n, sp).token_ids
+    assert 0 < s["accepted_drafts"] < s["rounds"] * k
