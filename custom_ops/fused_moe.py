@@ -1,12 +1,16 @@
-"""fused_moe: the whole sparse-MoE block — router, top-k, renormalise, SwiGLU experts, weighted
-combine, and the shared expert with its sigmoid gate.
+"""fused_moe: the sparse-MoE block after its router projection — top-k, renormalise, SwiGLU experts,
+weighted combine, and the shared expert with its sigmoid gate.
 
-x [T, H]; router_w [E, H]; gate_up [E, 2I, H] (gate rows first, then up); down [E, H, I];
-shared_gate [Is, H]; shared_up [Is, H]; shared_down [H, Is]; shared_gate_w [1, H]; top_k; fp32_out.
+x [T, H]; logits [T, E + 1] in x.dtype: x @ [router_w; shared_gate_w].T, the E router logits then the
+shared expert's gate logit (one projection, graphs/qwen3_5.py SparseMoe: at decode it is the GEMV that
+also applies the post-attention RMSNorm, custom_ops/add_rms_norm_linear.py, so the MoE block needs no
+norm kernel and no GEMV of its own); gate_up [E, 2I, H] (gate rows first, then up); down [E, H, I];
+shared_gate [Is, H]; shared_up [Is, H]; shared_down [H, Is]; top_k; fp32_out.
 -> y [T, H] in x.dtype, or in fp32 when fp32_out.
-Router logits in x.dtype, softmax in fp32, top-k, renormalised, cast to x.dtype; each selected
-expert's output is scaled by its weight after the down projection.
-fp32_out (version 2): everything up to the SwiGLU activations is unchanged (rounded to x.dtype); the
+Softmax of the router logits in fp32, top-k, renormalised, cast to x.dtype; each selected expert's
+output is scaled by its weight after the down projection; the shared expert's output by
+sigmoid(gate logit) in x.dtype.
+fp32_out: everything up to the SwiGLU activations is unchanged (rounded to x.dtype); the
 down projections, their weighting, the expert sum and the gated shared expert stay in fp32 and are
 returned unrounded. Under tensor parallel each rank's output is a partial sum over its slice of the
 intermediate dim; summing fp32 partials and rounding once makes the result independent of the TP
@@ -19,34 +23,32 @@ import torch.nn.functional as F
 
 from ._registry import check_shape, define_op
 
-SCHEMA = ("(Tensor x, Tensor router_w, Tensor gate_up, Tensor down, Tensor shared_gate, Tensor shared_up, "
-          "Tensor shared_down, Tensor shared_gate_w, int top_k, bool fp32_out=False) -> Tensor")
+SCHEMA = ("(Tensor x, Tensor logits, Tensor gate_up, Tensor down, Tensor shared_gate, Tensor shared_up, "
+          "Tensor shared_down, int top_k, bool fp32_out=False) -> Tensor")
 
 
-def _validate(x, router_w, gate_up, down, shared_gate, shared_up, shared_down, shared_gate_w, top_k,
-              fp32_out=False):
+def _validate(x, logits, gate_up, down, shared_gate, shared_up, shared_down, top_k, fp32_out=False):
     if x.dim() != 2 or gate_up.dim() != 3:
         raise ValueError(f"fused_moe: expected x [T, H] and gate_up [E, 2I, H], got {list(x.shape)} "
                          f"and {list(gate_up.shape)}")
     T, H = x.shape
     E, I2, _ = gate_up.shape
-    check_shape(router_w, (E, H), "fused_moe router_w")
+    check_shape(logits, (T, E + 1), "fused_moe logits (router logits + the shared expert's gate logit)", x.dtype)
     check_shape(gate_up, (E, I2, H), "fused_moe gate_up")
     check_shape(down, (E, H, I2 // 2), "fused_moe down")
     Is = shared_gate.shape[0]
     check_shape(shared_gate, (Is, H), "fused_moe shared_gate")
     check_shape(shared_up, (Is, H), "fused_moe shared_up")
     check_shape(shared_down, (H, Is), "fused_moe shared_down")
-    check_shape(shared_gate_w, (1, H), "fused_moe shared_gate_w")
     if not 0 < top_k <= E:
         raise ValueError(f"fused_moe top_k: expected 1..{E}, got {top_k}")
 
 
-def route(x, router_w, top_k):
-    """-> (weights [T, k] in x.dtype, experts [T, k] int64)."""
-    probs = torch.softmax(F.linear(x, router_w), dim=-1, dtype=torch.float32)
+def route(logits, top_k):
+    """logits [T, E] -> (weights [T, k] in logits.dtype, experts [T, k] int64)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     w, idx = torch.topk(probs, top_k, dim=-1)
-    return (w / w.sum(-1, keepdim=True)).to(x.dtype), idx
+    return (w / w.sum(-1, keepdim=True)).to(logits.dtype), idx
 
 
 def swiglu(x, gate_w, up_w, down_w, out_dtype=None):
@@ -58,12 +60,11 @@ def swiglu(x, gate_w, up_w, down_w, out_dtype=None):
     return F.linear(act.to(out_dtype), down_w.to(out_dtype))
 
 
-def reference_fused_moe(x, router_w, gate_up, down, shared_gate, shared_up, shared_down, shared_gate_w, top_k,
-                        fp32_out=False):
+def reference_fused_moe(x, logits, gate_up, down, shared_gate, shared_up, shared_down, top_k, fp32_out=False):
     T = x.shape[0]
     E, I2, _ = gate_up.shape
     od = torch.float32 if fp32_out else x.dtype                              # the down products' dtype
-    w, idx = route(x, router_w, top_k)
+    w, idx = route(logits[:, :E], top_k)
     if T * top_k <= E:
         gu = torch.einsum("th,tkih->tki", x, gate_up[idx])                  # [T, k, 2I]
         act = F.silu(gu[..., : I2 // 2]) * gu[..., I2 // 2:]
@@ -77,12 +78,12 @@ def reference_fused_moe(x, router_w, gate_up, down, shared_gate, shared_up, shar
             act = F.silu(gu[:, : I2 // 2]) * gu[:, I2 // 2:]
             routed = routed + F.linear(act.to(od), down[e].to(od)) * we.to(od)
     shared = swiglu(x, shared_gate, shared_up, shared_down, od)
-    return routed + torch.sigmoid(F.linear(x, shared_gate_w)).to(od) * shared
+    return routed + torch.sigmoid(logits[:, E:]).to(od) * shared
 
 
-def _fake(x, router_w, gate_up, down, shared_gate, shared_up, shared_down, shared_gate_w, top_k, fp32_out=False):
+def _fake(x, logits, gate_up, down, shared_gate, shared_up, shared_down, top_k, fp32_out=False):
     return torch.empty_like(x, dtype=torch.float32 if fp32_out else x.dtype)
 
 
-fused_moe = define_op("fused_moe", version=2, schema=SCHEMA, reference=reference_fused_moe,
+fused_moe = define_op("fused_moe", version=3, schema=SCHEMA, reference=reference_fused_moe,
                       validate=_validate, fake=_fake)

@@ -33,7 +33,7 @@ def router_margins(model: Qwen35Model):
     margins: list[float] = []
 
     def record(moe, args):
-        top = torch.nn.functional.linear(args[0].float(), moe.gate.weight.float()).topk(moe.top_k + 1, -1).values
+        top = torch.nn.functional.linear(args[0].float(), moe.router_weight[:-1].float()).topk(moe.top_k + 1, -1).values
         margins.append(float((top[:, -2] - top[:, -1]).min()))
 
     hooks = [m.register_forward_pre_hook(record) for m in model.modules() if isinstance(m, SparseMoe)]

@@ -7,6 +7,7 @@ splits each part by heads on its own), every layer's projections of one input ar
 along the output dimension:
   GatedDeltaNet  in_proj  = [in_proj_qkv; in_proj_z; in_proj_b; in_proj_a]   [C + HV*V + 2*HV, H]
   GatedAttention qkv_proj = [q_proj; k_proj; v_proj]                          [2*Hq*D + 2*KVH*D, H]
+  SparseMoe      router   = [gate; shared_expert_gate]                        [E + 1, H]
 and the module splits the output back into views. The checkpoint format stays the hub's; the artifact
 stores the concatenated weights under these names, and `fuse_projections` is the only place that
 knows the mapping. The CUDA GEMV chooses its tile from (rows, K) only, so a concatenated column is
@@ -35,7 +36,8 @@ from .quant import BLOCK, FP8
 
 # module attribute -> (fused name, the parts in order)
 FUSED = {"linear_attn": ("in_proj", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")),
-         "self_attn": ("qkv_proj", ("q_proj", "k_proj", "v_proj"))}
+         "self_attn": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+         "mlp": ("router", ("gate", "shared_expert_gate"))}        # a SparseMoe only (a dense MLP has no gate)
 
 
 class ConcatProj(nn.Module):
@@ -77,7 +79,7 @@ def _concat(lins: list) -> nn.Module:
     if len(lins) == 1:
         return lins[0]
     w = torch.cat([lin.weight for lin in lins])
-    bias = lins[0].bias is not None
+    bias = getattr(lins[0], "bias", None) is not None           # the MoE router `gate` has no bias attribute
     new = Linear(w.shape[1], w.shape[0], bias=bias, device="meta")
     new.weight = nn.Parameter(w, requires_grad=False)
     if _fp8(lins[0]):                        # [sum ceil(n_i/128), ceil(K/128)]: whole blocks but the last
@@ -95,7 +97,7 @@ def fuse_projections(model: nn.Module) -> nn.Module:
     for layer in model.layers:
         for attr, (fused, parts) in FUSED.items():
             mod = getattr(layer, attr, None)
-            if mod is None or getattr(mod, fused, None) is not None:
+            if mod is None or getattr(mod, fused, None) is not None or not all(hasattr(mod, p) for p in parts):
                 continue
             lins = [getattr(mod, p) for p in parts]
             groups = [_concat(run) for run in runs(lins)]

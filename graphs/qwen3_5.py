@@ -265,12 +265,20 @@ class SparseMoe(nn.Module):
         self.experts.down_proj = nn.Parameter(torch.zeros(E, H, I))
         self.shared_expert = DenseMlp(H, Is)
         self.shared_expert_gate = _linear(H, 1)
+        self.fused_sizes = None                      # graphs/fuse.py: router = [gate; shared_expert_gate]
 
-    def forward(self, x):
+    @property
+    def router_weight(self):
+        """[E + 1, H]: the router's rows, then the shared expert gate's (fused_moe's logits projection)."""
+        if self.fused_sizes is None:
+            return torch.cat([self.gate.weight, self.shared_expert_gate.weight])
+        return self.router.weight
+
+    def forward(self, x, logits):
+        """x [N, H] (normed), logits [N, E + 1] = x @ router_weight.T -> [N, H]."""
         se = self.shared_expert
-        return ops.fused_moe(x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj,
-                             se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight,
-                             self.shared_expert_gate.weight, self.top_k, self.fp32_out)
+        return ops.fused_moe(x, logits, self.experts.gate_up_proj, self.experts.down_proj,
+                             se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight, self.top_k, self.fp32_out)
 
 
 class DenseMlp(nn.Module):
@@ -295,6 +303,17 @@ class DecoderLayer(nn.Module):
                     else DenseMlp(cfg.hidden_size, d.intermediate_size, fp32_reduce))
         self.input_layernorm = RMSNorm(cfg.hidden_size)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size)
+
+    def mlp_block(self, mixed, h, eps):
+        """The post-attention residual add + RMSNorm, then the MLP. mixed, h [N, H] -> (MLP output [N, H]
+        (a partial sum under TP), the new residual stream h [N, H]). MoE: the norm is folded into the router
+        projection (add_rms_norm_linear), whose normed rows the experts read."""
+        w = self.post_attention_layernorm.weight
+        if isinstance(self.mlp, SparseMoe):
+            logits, x, h = ops.add_rms_norm_linear(mixed, h, w, eps, self.mlp.router_weight)
+            return self.mlp(x, logits), h
+        x, h = ops.add_rms_norm(mixed, h, w, eps)
+        return self.mlp(x), h
 
 
 class Qwen35Model(nn.Module):
@@ -341,8 +360,8 @@ class Qwen35Model(nn.Module):
         x = ops.rms_norm(h, self.layers[0].input_layernorm.weight, eps)
         for li, layer in enumerate(self.layers):
             mixed = self._all_reduce(mixer(layer, x, (next(it), next(it))), h.dtype)
-            x, h = ops.add_rms_norm(mixed, h, layer.post_attention_layernorm.weight, eps)
-            m = self._all_reduce(layer.mlp(x), h.dtype)   # MoE: routed + gated shared, both partial: one reduce
+            m, h = layer.mlp_block(mixed, h, eps)
+            m = self._all_reduce(m, h.dtype)              # MoE: routed + gated shared, both partial: one reduce
             nxt = self.layers[li + 1].input_layernorm.weight if li + 1 < len(self.layers) else self.norm.weight
             x, h = ops.add_rms_norm(m, h, nxt, eps)
         return x                                                            # final-normed [N, H]

@@ -46,15 +46,17 @@ def test_identical_experts_make_the_moe_blind_to_routing():
     from onegraph.tools.bench_big import identical_experts_
     _, model, _ = load_model("tiny", "float32")
     moe = next(m for m in model.modules() if isinstance(m, SparseMoe))
-    x, other = torch.randn(8, moe.gate.weight.shape[1]), torch.randn_like(moe.gate.weight)
+    own = moe.router_weight                                                # [E + 1, H]: router ‖ shared gate
+    x = torch.randn(8, own.shape[1])
+    other = torch.cat([torch.randn_like(own[:-1]), own[-1:]])             # another router, the same shared gate
     se = moe.shared_expert
 
     def out(router):
-        return ops.fused_moe(x, router, moe.experts.gate_up_proj, moe.experts.down_proj, se.gate_proj.weight,
-                             se.up_proj.weight, se.down_proj.weight, moe.shared_expert_gate.weight, moe.top_k, False)
+        return ops.fused_moe(x, x @ router.T, moe.experts.gate_up_proj, moe.experts.down_proj, se.gate_proj.weight,
+                             se.up_proj.weight, se.down_proj.weight, moe.top_k, False)
 
-    picks = lambda r: torch.softmax(x @ r.T, -1).topk(moe.top_k).indices.sort().values   # noqa: E731
-    assert not torch.equal(picks(moe.gate.weight), picks(other))          # the two routers differ
-    assert (out(moe.gate.weight) - out(other)).abs().max() > 1e-3
+    picks = lambda r: torch.softmax(x @ r[:-1].T, -1).topk(moe.top_k).indices.sort().values   # noqa: E731
+    assert not torch.equal(picks(own), picks(other))                      # the two routers differ
+    assert (out(own) - out(other)).abs().max() > 1e-3
     identical_experts_(model)
-    assert (out(moe.gate.weight) - out(other)).abs().max() < 1e-5
+    assert (out(own) - out(other)).abs().max() < 1e-5

@@ -90,9 +90,13 @@ def case_causal_conv_update(g):
 
 
 def case_fused_moe(g):
-    return [g.m(5, H), g.m(E, H), g.m(E, 2 * I, H, scale=H ** -0.5), g.m(E, H, I, scale=I ** -0.5),
-            g.m(IS, H, scale=H ** -0.5), g.m(IS, H, scale=H ** -0.5), g.m(H, IS, scale=IS ** -0.5),
-            g.m(1, H, scale=H ** -0.5), 2]
+    """x [5, H], logits [5, E + 1] (router ‖ shared gate), the experts' and the shared expert's weights, top_k."""
+    return [g.m(5, H), g.m(5, E + 1), g.m(E, 2 * I, H, scale=H ** -0.5), g.m(E, H, I, scale=I ** -0.5),
+            g.m(IS, H, scale=H ** -0.5), g.m(IS, H, scale=H ** -0.5), g.m(H, IS, scale=IS ** -0.5), 2]
+
+
+def case_add_rms_norm_linear(g):
+    return [g.m(B, H), g.m(B, H), g.m(H, scale=0.1), 1e-6, g.m(IS, H, scale=H ** -0.5)]
 
 
 def case_linear(g):
@@ -229,8 +233,11 @@ VALIDATION = [
     ("causal_conv_update", 2, i64([0, 1]), f"causal_conv_update slots: expected shape [{B}]"),
     ("causal_conv_update", 3, torch.zeros(C + 1, W), f"causal_conv_update weight: expected shape [{C}, *]"),
     ("fused_moe", 3, torch.zeros(E, H, I + 1), f"fused_moe down: expected shape [{E}, {H}, {I}]"),
-    ("fused_moe", 1, torch.zeros(E - 1, H), f"fused_moe router_w: expected shape [{E}, {H}]"),
-    ("fused_moe", 7, torch.zeros(H), f"fused_moe shared_gate_w: expected shape [1, {H}]"),
+    ("fused_moe", 1, torch.zeros(5, E), f"fused_moe logits (router logits + the shared expert's gate logit): "
+                                        f"expected shape [5, {E + 1}]"),
+    ("fused_moe", 6, torch.zeros(H, IS + 1), f"fused_moe shared_down: expected shape [{H}, {IS}]"),
+    ("add_rms_norm_linear", 1, torch.zeros(B, H + 1), f"add_rms_norm_linear residual: expected shape [{B}, {H}]"),
+    ("add_rms_norm_linear", 4, torch.zeros(IS, H - 1), f"add_rms_norm_linear w: expected shape [*, {H}]"),
     ("linear", 1, torch.zeros(IS, H + 1), f"linear w: expected shape [*, {H}]"),
     ("linear", 0, torch.zeros(H), "linear x: expected shape [*, *]"),
     ("linear_f32", 1, torch.zeros(IS, H + 1), f"linear_f32 w: expected shape [*, {H}]"),
@@ -272,7 +279,8 @@ def test_validation_covers_every_op():
     ("gdn_prefill", 2, lambda a: a[2].bfloat16(), "gdn_prefill beta: expected dtype torch.float32"),
     ("sample", 5, lambda a: a[5].int(), "sample position: expected dtype torch.int64"),
     ("gdn_prefill", 6, 48, "chunk_size: expected a power of two"),
-    ("fused_moe", 8, E + 1, f"fused_moe top_k: expected 1..{E}"),
+    ("fused_moe", 7, E + 1, f"fused_moe top_k: expected 1..{E}"),
+    ("add_rms_norm_linear", 4, lambda a: a[4].double(), "add_rms_norm_linear w: expected dtype torch.float32"),
 ])
 def test_validation_dtype_and_scalars(name, index, value, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -325,8 +333,10 @@ def test_fused_moe_matches_per_token_loop():
     g = Gen(3)
     args = materialise(case_fused_moe(g), torch.float32)
     x = g.f(12, H)                               # 12 * top_k > E: the all-experts loop path
-    router, gu, down, sg, su, sd, sgw, k = args[1:]
-    out = ops.fused_moe(x, router, gu, down, sg, su, sd, sgw, k)
+    gu, down, sg, su, sd, k = args[2:]
+    router, sgw = g.f(E, H), g.f(1, H, scale=H ** -0.5)
+    lg = lambda x: F.linear(x, torch.cat([router, sgw]))           # noqa: E731  the logits fused_moe is given
+    out = ops.fused_moe(x, lg(x), gu, down, sg, su, sd, k)
     for t in range(x.shape[0]):
         probs = torch.softmax(router @ x[t], -1)
         w, idx = probs.topk(k)
@@ -335,7 +345,7 @@ def test_fused_moe_matches_per_token_loop():
         y = y + torch.sigmoid(sgw @ x[t]) * (sd @ (F.silu(sg @ x[t]) * (su @ x[t])))
         assert (out[t] - y).abs().max() <= 1e-5, f"token {t}"
         # the single-token (gathered-experts) path agrees with the loop path
-        alone = ops.fused_moe(x[t:t + 1], router, gu, down, sg, su, sd, sgw, k)
+        alone = ops.fused_moe(x[t:t + 1], lg(x[t:t + 1]), gu, down, sg, su, sd, k)
         assert (alone[0] - out[t]).abs().max() <= 1e-5, f"token {t}: gather path differs from loop path"
 
 
@@ -357,11 +367,13 @@ def test_fused_moe_fp32_out_is_the_unrounded_combine():
     in float64 match to fp32 accuracy; the gathered (decode) path agrees up to an activation that rounds
     to the other bf16 neighbour."""
     g = Gen(5)
-    x, router, gu, down, sg, su, sd, sgw, k = materialise(case_fused_moe(g), torch.bfloat16)
+    _, _, gu, down, sg, su, sd, k = materialise(case_fused_moe(g), torch.bfloat16)
     x = g.f(12, H).bfloat16()                                   # 12 * top_k > E: the loop path
-    out = ops.fused_moe(x, router, gu, down, sg, su, sd, sgw, k, True)
+    router, sgw = g.f(E, H).bfloat16(), g.f(1, H, scale=H ** -0.5).bfloat16()
+    lg = lambda x: F.linear(x, torch.cat([router, sgw]))       # noqa: E731  the logits fused_moe is given
+    out = ops.fused_moe(x, lg(x), gu, down, sg, su, sd, k, True)
     assert out.dtype == torch.float32
-    probs = torch.softmax(F.linear(x, router), -1, dtype=torch.float32)
+    probs = torch.softmax(lg(x)[:, :E], -1, dtype=torch.float32)
     w, idx = probs.topk(k)
     w = (w / w.sum(-1, keepdim=True)).bfloat16()
     ref = torch.zeros(x.shape, dtype=torch.float64)
@@ -370,10 +382,10 @@ def test_fused_moe_fp32_out_is_the_unrounded_combine():
         we = (w.double() * (idx == e)).sum(-1, keepdim=True)
         ref += (act @ down[e].double().t()) * we
     act_sh = (F.silu(F.linear(x, sg)) * F.linear(x, su)).double()
-    ref += torch.sigmoid(F.linear(x, sgw)).double() * (act_sh @ sd.double().t())
+    ref += torch.sigmoid(lg(x)[:, E:]).double() * (act_sh @ sd.double().t())
     assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
     for t in range(x.shape[0]):
-        alone = ops.fused_moe(x[t:t + 1], router, gu, down, sg, su, sd, sgw, k, True)
+        alone = ops.fused_moe(x[t:t + 1], lg(x[t:t + 1]), gu, down, sg, su, sd, k, True)
         assert (alone[0] - out[t]).abs().max() <= 1e-2, f"token {t}: gather path differs from loop path"
 
 

@@ -85,3 +85,57 @@ def test_gemv_35b_shapes(M, N, K):
 
 for _m in cuda_only:
     test_gemv_35b_shapes = _m(test_gemv_35b_shapes)
+
+
+# ---------------------------------------------------------------- add_rms_norm_linear (the norm in the GEMV's prologue)
+
+def _norm_inputs(M, N, K, dtype, seed):
+    x, w = _inputs(M, N, K, dtype, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    res = torch.randn(M, K, generator=g).to(dtype).to(DEVICE)
+    nw = (torch.randn(K, generator=g) * 0.1).to(dtype).to(DEVICE)
+    return x, res, nw, w
+
+
+def _check_norm_linear(M, N, K, dtype, seed):
+    """h is add_rms_norm's sum exactly; normed is its norm within one rounding of the fp32 statistics (summed
+    in another order: 1 ulp of the model dtype at most); y is the plain GEMV of the kernel's own normed rows,
+    bit for bit (same tile, same order), and so within the GEMV's bound of F.linear."""
+    from onegraph.custom_ops.add_rms_norm_linear import reference_add_rms_norm_linear
+    x, res, nw, w = _norm_inputs(M, N, K, dtype, seed)
+    y, normed, h = torch.ops.onegraph.add_rms_norm_linear_triton(x, res, nw, 1e-6, w)
+    y_ref, normed_ref, h_ref = reference_add_rms_norm_linear(x, res, nw, 1e-6, w)
+    assert y.shape == (M, N) and normed.shape == h.shape == (M, K)
+    assert torch.equal(h, h_ref)
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-6
+    assert ((normed.float() - normed_ref.float()).abs() <= ulp * normed_ref.float().abs() + 1e-30).all()
+    assert torch.equal(y, lin.gemv(normed, w)), "the fused GEMV's columns differ from the plain GEMV of its rows"
+    _check(y, normed, w)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 3, 16])
+def test_add_rms_norm_linear_matches_reference(M, dtype):
+    _check_norm_linear(M, 37, 300, dtype, seed=M)     # N not a multiple of the tile, K not of BK
+
+
+@needs_triton
+def test_add_rms_norm_linear_above_the_gemv_rows_is_two_launches():
+    """Above GEMV_MAX_M rows: the add_rms_norm kernel then the aten GEMM, the reference's values."""
+    from onegraph.custom_ops.add_rms_norm_linear import reference_add_rms_norm_linear
+    x, res, nw, w = _norm_inputs(lin.GEMV_MAX_M + 1, 24, 40, torch.float32, seed=5)
+    got = torch.ops.onegraph.add_rms_norm_linear_triton(x, res, nw, 1e-6, w)
+    ref = reference_add_rms_norm_linear(x, res, nw, 1e-6, w)
+    assert torch.equal(got[2], ref[2]) and torch.allclose(got[1], ref[1], rtol=1e-6)
+    assert torch.equal(got[0], F.linear(got[1], w))
+
+
+@pytest.mark.parametrize("M", [1, 4, 16])
+@pytest.mark.parametrize("N", [257, 12352], ids=["router+shared_gate", "gdn_in_proj"])
+def test_add_rms_norm_linear_35b_shapes(M, N):
+    _check_norm_linear(M, N, 2048, torch.bfloat16, seed=M)
+
+
+for _m in cuda_only:
+    test_add_rms_norm_linear_35b_shapes = _m(test_add_rms_norm_linear_35b_shapes)

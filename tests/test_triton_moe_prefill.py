@@ -58,9 +58,10 @@ def moe_args(T, H, E, I, Is, top_k, dtype, seed, hot=(), cold=()):
     router[list(hot), 0] = 1.5
     router[list(cold), 0] = -1.5
     t = lambda a: a.to(dtype).to(DEVICE)
-    return [t(x), t(router), t(rn(E, 2 * I, H, scale=H ** -0.5)), t(rn(E, H, I, scale=I ** -0.5)),
-            t(rn(Is, H, scale=H ** -0.5)), t(rn(Is, H, scale=H ** -0.5)), t(rn(H, Is, scale=Is ** -0.5)),
-            t(rn(1, H, scale=H ** -0.5)), top_k]
+    rest = [t(rn(E, 2 * I, H, scale=H ** -0.5)), t(rn(E, H, I, scale=I ** -0.5)), t(rn(Is, H, scale=H ** -0.5)),
+            t(rn(Is, H, scale=H ** -0.5)), t(rn(H, Is, scale=Is ** -0.5))]
+    logits = torch.nn.functional.linear(t(x), torch.cat([t(router), t(rn(1, H, scale=H ** -0.5))]))  # router ‖ shared gate
+    return [t(x), logits, *rest, top_k]
 
 
 CASES = [
@@ -77,7 +78,7 @@ CASES = [
 def test_prefill_matches_reference(T, H, E, I, Is, top_k, hot, cold, dtype):
     args = moe_args(T, H, E, I, Is, top_k, dtype, seed=T, hot=hot, cold=cold)
     assert T * top_k > E                                          # the op takes its prefill path
-    _, idx = route(args[0], args[1], top_k)
+    _, idx = route(args[1][:, :E], top_k)
     counts = torch.bincount(idx.flatten().cpu(), minlength=E)
     assert all(counts[e] == T for e in hot) and all(counts[e] == 0 for e in cold), counts
     got = ops.fused_moe_triton(*args)
@@ -88,13 +89,13 @@ def test_prefill_matches_reference(T, H, E, I, Is, top_k, hot, cold, dtype):
         compare(got, ref, 2e-2, 1e-3, f"bf16 T={T}")
     # the op dispatched to the prefill kernels: same bits as calling them directly on the op's own router
     # output (fp32 on the H200: aten's softmax and the route kernel's can differ in the last bit)
-    w, idx = route_triton(args[0], args[1], top_k)
-    assert torch.equal(got, prefill_mod.fused_moe_prefill(args[0], w, idx, *args[2:8]))
+    w, idx = route_triton(args[1][:, :E], top_k)
+    assert torch.equal(got, prefill_mod.fused_moe_prefill(args[0], w, idx, *args[2:7], args[1]))
     # fp32_out: unrounded fp32 sums after the (still bf16-rounded) activations
     got32, ref32 = ops.fused_moe_triton(*args, True), reference_fused_moe(*args, True)
     assert got32.dtype == ref32.dtype == torch.float32
     compare(got32, ref32, 1e-4, 1.0, f"{dtype} fp32_out T={T}")
-    assert torch.equal(got32, prefill_mod.fused_moe_prefill(args[0], w, idx, *args[2:8], torch.float32))
+    assert torch.equal(got32, prefill_mod.fused_moe_prefill(args[0], w, idx, *args[2:7], args[1], torch.float32))
 
 
 @needs_triton
@@ -131,8 +132,8 @@ def test_prefill_opcheck():
 
 
 class _Moe(torch.nn.Module):
-    def forward(self, x, router, gu, down, sg, su, sd, sgw):
-        return ops.fused_moe(x, router, gu, down, sg, su, sd, sgw, 3)
+    def forward(self, x, logits, gu, down, sg, su, sd):
+        return ops.fused_moe(x, logits, gu, down, sg, su, sd, 3)
 
 
 @needs_triton
@@ -141,11 +142,11 @@ def test_prefill_export_swaps_in_triton_op():
     (its aten block table traced with static shapes) and computes what eager does, calling no Python
     reference."""
     args = moe_args(24, 32, 8, 16, 24, 3, torch.float32, seed=4, hot=(1,))
-    ep = torch.export.export(_Moe(), tuple(args[:8]), strict=False).run_decompositions(decompositions("cuda"))
+    ep = torch.export.export(_Moe(), tuple(args[:7]), strict=False).run_decompositions(decompositions("cuda"))
     targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
     assert "onegraph.fused_moe_triton.default" in targets and "onegraph.fused_moe.default" not in targets, targets
     before = dict(PYTHON_CALLS)
-    got = ep.module()(*args[:8])
+    got = ep.module()(*args[:7])
     assert dict(PYTHON_CALLS) == before, "a Python reference ran inside the lowered program"
     compare(got, reference_fused_moe(*args), 1e-4, 1.0, "exported")
 

@@ -107,12 +107,15 @@ def moe_case(T, g):
                              rand(g, E, H, I, scale=I ** -0.5), rand(g, Is, H, scale=H ** -0.5),
                              rand(g, Is, H, scale=H ** -0.5), rand(g, H, Is, scale=Is ** -0.5),
                              rand(g, 1, H, scale=H ** -0.5)])
-    args = (rand(g, T, H), *_MOE_WEIGHTS, k)
-    _, idx = route(args[0], args[1], k)
+    router, *experts, sgw = _MOE_WEIGHTS
+    x = rand(g, T, H)
+    logits = torch.nn.functional.linear(x, torch.cat([router, sgw]))          # [T, E + 1], the op's input
+    args = (x, logits, *experts, k)
+    _, idx = route(logits[:, :E], k)
     distinct = int(idx.unique().numel())
     e = 2
-    moved = (distinct * 3 * I * H * e + E * H * e + 3 * Is * H * e + H * e  # experts read, router, shared
-             + 2 * T * H * e)                                               # x, y
+    moved = (distinct * 3 * I * H * e + 3 * Is * H * e                       # experts read, shared expert
+             + 2 * T * H * e + T * (E + 1) * e)                             # x, y, logits
     return args, moved, {"distinct_experts": distinct}
 
 

@@ -79,7 +79,7 @@ def model_rows(spec: str, ctx: int = 256, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     margins, flips = [], {0.01: [], 0.1: []}
     for i, m in enumerate(moes):
-        x, W = torch.cat(inputs[i]), m.gate.weight.detach()                        # [N, H] fp32, [E, H]
+        x, W = torch.cat(inputs[i]), m.router_weight[:-1].detach()                  # [N, H] fp32, [E, H]
         top = F.linear(x, W).topk(m.top_k + 1, -1).values
         margins.append(top[:, -2] - top[:, -1])
         for frac in flips:

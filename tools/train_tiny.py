@@ -155,9 +155,9 @@ def _attention(attn, x, B, T, positions, inv_freq):
 def _moe(moe, x):
     """onegraph::fused_moe's reference + the load-balancing loss. x [N, H] -> ([N, H], aux scalar)."""
     se = moe.shared_expert
-    y = reference_fused_moe(x, moe.gate.weight, moe.experts.gate_up_proj, moe.experts.down_proj,
-                            se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight,
-                            moe.shared_expert_gate.weight, moe.top_k)
+    logits = F.linear(x, torch.cat([moe.gate.weight, moe.shared_expert_gate.weight]))   # [N, E + 1]
+    y = reference_fused_moe(x, logits, moe.experts.gate_up_proj, moe.experts.down_proj,
+                            se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight, moe.top_k)
     probs = torch.softmax(F.linear(x, moe.gate.weight), -1, dtype=torch.float32)   # [N, E]
     E = probs.shape[1]
     chosen = F.one_hot(probs.topk(moe.top_k, -1).indices, E).sum(1).float()        # [N, E]

@@ -45,7 +45,10 @@ def main(argv=None) -> int:
            "default": base, "copies": args.copies, "rows": []}
     fn = torch.ops.onegraph.fused_moe_triton
     for B in args.batches:
-        cases = [(rand(g, B, H), *w, k) for w in weights]
+        cases = []
+        for router, *experts, sgw in weights:                 # fused_moe takes the logits: x @ [router; sgw].T
+            x = rand(g, B, H)
+            cases.append((x, torch.nn.functional.linear(x, torch.cat([router, sgw])), *experts, k))
         for which, grid in (("swiglu", k1), ("down", k2)):
             for cfg in grid:
                 mod.BI1, mod.BH1, mod.W1, mod.BH2, mod.BI2, mod.W2 = base

@@ -9,7 +9,7 @@ One file per op (kernel + launcher + triton_op), sharing `_common.py`:
   gdn_decode_step.py   one fused kernel: conv window + SiLU, gates, L2 norm, fp32 delta rule
   gdn_decode_step_norm.py  the same with the output gated RMSNorm folded in, and an in-place twin
   gdn_prefill.py       chunked delta rule: WY/UT transform, sequential state pass, output (3 kernels)
-  fused_moe.py         router (aten GEMM, then softmax + top-k in one kernel), SwiGLU(gate_up) and down + combine
+  fused_moe.py         routing from the given router logits, SwiGLU(gate_up) and down + combine
   fused_moe_prefill.py the T*k > E path of fused_moe: grouped GEMM over pairs sorted by expert
   attention_decode.py  GQA flash-decoding (split over the KV length) + combine
   attention_prefill.py causal GQA flash attention of a chunk over its slot's KV cache
@@ -19,6 +19,7 @@ One file per op (kernel + launcher + triton_op), sharing `_common.py`:
   causal_conv.py       causal_conv_update and causal_conv_prefill (depthwise conv + SiLU with state)
   sample.py            greedy / Gumbel-max sampling with top-k / top-p, no vocabulary sort
   linear.py            projection GEMV at decode sizes (tile by (M, K) only)
+  add_rms_norm_linear.py  the residual add + RMSNorm folded into the projection GEMV's prologue
   linear_fp8.py        block-FP8 weight projection: e4m3 bytes and 128x128 scales applied in registers
   linear_w8a8.py       W8A8 projections (int8 / e4m3 per-channel weights, activations quantized per token)
 
@@ -35,6 +36,6 @@ except ImportError as e:  # no triton: register no CUDA lowerings; the registry 
 else:
     AVAILABLE = True
     IMPORT_ERROR = None
-    from . import (attention_decode, attention_prefill, causal_conv, fused_moe, linear,  # noqa: F401  (register)
-                   gdn_decode_step, gdn_decode_step_norm, gdn_prefill, linear_fp8, linear_w8a8, norms,
+    from . import (add_rms_norm_linear, attention_decode, attention_prefill, causal_conv, fused_moe,  # noqa: F401
+                   linear, gdn_decode_step, gdn_decode_step_norm, gdn_prefill, linear_fp8, linear_w8a8, norms,
                    qk_norm_rope, rope, sample)

@@ -50,9 +50,11 @@ def cases(B: int):
                                    torch.empty(S, 32, 128, 128, dtype=torch.float32, **m),
                                    torch.empty(B, dtype=torch.int64, **m), torch.empty(8192, 4, **bf),
                                    torch.empty(32, **bf), torch.empty(32, **bf), torch.empty(128, **bf), 16, 1e-6)
-    yield "fused_moe", (torch.empty(B, 2048, **bf), torch.empty(256, 2048, **bf), torch.empty(256, 1024, 2048, **bf),
+    yield "fused_moe", (torch.empty(B, 2048, **bf), torch.empty(B, 257, **bf), torch.empty(256, 1024, 2048, **bf),
                         torch.empty(256, 2048, 512, **bf), torch.empty(512, 2048, **bf), torch.empty(512, 2048, **bf),
-                        torch.empty(2048, 512, **bf), torch.empty(1, 2048, **bf), 8)
+                        torch.empty(2048, 512, **bf), 8)
+    yield "add_rms_norm_linear", (torch.empty(B, 2048, **bf), torch.empty(B, 2048, **bf), torch.empty(2048, **bf), 1e-6,
+                                  torch.empty(257, 2048, **bf))
     yield "attention_decode", (torch.empty(B, 16, 256, **bf), torch.empty(S, 2, 4096, 256, **bf),
                                torch.empty(S, 2, 4096, 256, **bf), torch.empty(B, dtype=torch.int64, **m),
                                torch.empty(B, dtype=torch.int64, **m), 256 ** -0.5,

@@ -1,11 +1,11 @@
 """Triton lowering of fused_moe (contract: custom_ops/fused_moe.py), built for decode (T = 1..64).
 
-Router: the logits [T, E] by the projection GEMV at decode sizes (custom_ops/triton/linear.py: 1.8 us
-for the 35B router's 1 MB where cuBLAS took 5 us; fp32 sums in another order than the reference's
-GEMM, rounded to x.dtype the same way). Routing (`_route_row`: fp32 softmax, top-k, renormalise) is
-recomputed by every program of both kernels from those 256 logits (a 512-byte L2 read and k max-scans):
-that is cheaper than its own kernel launch (3.6 us per layer at the 35B bs1 step on the H200, where
-aten's topk alone had taken 0.39 of a 4.26 ms step). The prefill path runs it once, as `_route_kernel`.
+Input logits [T, E + 1] (x.dtype): the router logits and the shared expert's gate logit, projected by the
+caller (at decode the GEMV that also applies the post-attention norm, custom_ops/triton/linear.py).
+Routing (`_route_row`: fp32 softmax, top-k, renormalise) is recomputed by every program of both kernels
+from the E logits (a 512-byte L2 read and k max-scans): that is cheaper than its own kernel launch (3.6 us
+per layer at the 35B bs1 step on the H200, where aten's topk alone had taken 0.39 of a 4.26 ms step).
+The prefill path runs it once, as `_route_kernel`.
 Ties matter: the 35B random router's 8th and 9th bf16 logits are equal in 8 % of layer-tokens (H200,
 8 bs8 eager steps). CUDA torch.topk keeps the lowest indices among values equal to the k-th (H200:
 2000 of 2000 tied rows), and so does `_route_row` (it takes the largest logit, lowest index first, k
@@ -16,8 +16,8 @@ Kernel 1 (SwiGLU), grid (T*k + T, cdiv(max(I, Is), BI)): program p < T*k takes p
 computes act[p, tile] = silu(x[t] . gate_up[idx, tile]) * (x[t] . gate_up[idx, I + tile]) reading
 only that expert's rows; programs p >= T*k do the shared expert of token p - T*k.
 Kernel 2 (down + combine), grid (T, cdiv(H, BH)): y[t, tile] = sum_j w[t,j] down[idx[t,j], tile] . act
-+ sigmoid(x[t] . shared_gate_w) shared_down[tile] . act_shared; the k experts' tiles are loaded side by
-side ([k, BH, BI]) so a program keeps k loads in flight instead of walking the experts one by one.
++ sigmoid(logits[t, E]) shared_down[tile] . act_shared; the k experts' tiles are loaded side by side
+([k, BH, BI]) so a program keeps k loads in flight instead of walking the experts one by one.
 Programs are launched pairs-fastest (kernel 1) and tokens-fastest (kernel 2), so the programs that
 read one expert's tile run together and share it through L2: DRAM traffic ~ distinct experts.
 Numerics: fp32 accumulation; the reference's roundings to x.dtype (gate_up product, silu, act,
@@ -36,38 +36,71 @@ from torch.library import triton_op
 from .. import _registry
 from ..fused_moe import _validate
 from . import fused_moe_prefill
-from .linear import project
 from ._common import launch, next_pow2, rnd, to_dt
 
 
 @triton.jit
-def _route_row(logits, t, s_l_t, E: tl.constexpr, BE: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-               WEIGHTS: tl.constexpr = True):
-    """Token t's logits [E] (x.dtype) -> (w [BK] fp32: the top-K softmax probabilities / their sum,
-    idx [BK] int64: their experts, by logit descending, lowest index first among equal logits; lanes
-    >= K are 0). WEIGHTS=False: only idx (w is 0): the SwiGLU kernel needs no weights, and every block
-    reduction it skips is latency before its first weight load."""
+def _route_keys(logits, t, s_l_t, E: tl.constexpr, BE: tl.constexpr):
+    """Token t's logits [E] (x.dtype) -> keys [BE] int64 whose order is (logit, then the lower index): the
+    fp32 logit's bits made order-preserving as an int32 (negative floats have their magnitude bits flipped;
+    a NaN sorts above +inf, so it is picked and stays in bounds while its weights carry the NaN), shifted
+    over 16 index bits holding BE - 1 - e. One max over keys is one top-1 step: a single block reduction
+    where comparing values and then looking for the lowest index among the largest took two.
+    Lanes >= E get the smallest int64."""
     offs = tl.arange(0, BE)
     m = offs < E
-    lg = tl.load(logits + t * s_l_t + offs, mask=m, other=float("-inf")).to(tl.float32)
-    if WEIGHTS:
-        e = tl.where(m, tl.exp(lg - tl.max(lg, axis=0)), 0.0)
-        p = e / tl.sum(e, axis=0)                   # the reference's fp32 softmax
+    b = tl.load(logits + t * s_l_t + offs, mask=m, other=0.0).to(tl.float32).to(tl.int32, bitcast=True)
+    ordered = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+    keys = (ordered.to(tl.int64) << 16) | (BE - 1 - offs).to(tl.int64)
+    return tl.where(m, keys, -9223372036854775807 - 1)
+
+
+@triton.jit
+def _key_expert(key, BE: tl.constexpr):
+    return (BE - 1 - (key & 0xFFFF)).to(tl.int64)
+
+
+@triton.jit
+def _key_logit(key):
+    """The fp32 logit a key was made from (exactly)."""
+    hi = (key >> 16).to(tl.int32)
+    return tl.where(hi < 0, hi ^ 0x7FFFFFFF, hi).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _route_row(logits, t, s_l_t, E: tl.constexpr, BE: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """Token t's logits [E] (x.dtype) -> (w [BK] fp32: the top-K softmax probabilities / their sum,
+    idx [BK] int64: their experts, by logit descending, lowest index first among equal logits; lanes
+    >= K are 0). K + 1 block reductions: K maxima over the keys and the softmax's sum (its max is the
+    first maximum's logit)."""
+    keys = _route_keys(logits, t, s_l_t, E, BE)
+    offs = tl.arange(0, BE)
+    lg = tl.load(logits + t * s_l_t + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
     ks = tl.arange(0, BK)
-    top_p = tl.zeros([BK], tl.float32)
+    top_l = tl.zeros([BK], tl.float32)
     top_i = tl.zeros([BK], tl.int64)
-    cur = lg
     for j in tl.static_range(K):
-        best = tl.max(cur, axis=0)
-        i = tl.min(tl.where(cur == best, offs, BE), axis=0)         # lowest index among the largest
-        i = tl.minimum(i, E - 1)           # NaN logits match nothing: stay in bounds, the weights carry the NaN
-        if WEIGHTS:
-            top_p = tl.where(ks == j, tl.sum(tl.where(offs == i, p, 0.0), axis=0), top_p)
-        top_i = tl.where(ks == j, i.to(tl.int64), top_i)
-        cur = tl.where(offs == i, float("-inf"), cur)
-    if WEIGHTS:
-        top_p = top_p / tl.sum(top_p, axis=0)
-    return top_p, top_i
+        best = tl.max(keys, axis=0)
+        top_l = tl.where(ks == j, _key_logit(best), top_l)
+        top_i = tl.where(ks == j, _key_expert(best, BE), top_i)
+        keys = tl.where(keys == best, -9223372036854775807 - 1, keys)            # keys are distinct
+    mx = tl.max(tl.where(ks == 0, top_l, float("-inf")), axis=0)                # the largest logit
+    denom = tl.sum(tl.where(offs < E, tl.exp(lg - mx), 0.0), axis=0)            # the reference's fp32 softmax
+    top_p = tl.where(ks < K, tl.exp(top_l - mx) / denom, 0.0)
+    return top_p / tl.sum(top_p, axis=0), top_i
+
+
+@triton.jit
+def _route_nth(logits, t, s_l_t, j, E: tl.constexpr, BE: tl.constexpr, K: tl.constexpr):
+    """The expert (int64) of token t's j-th largest logit (_route_row's idx[j], j < K): j + 1 block
+    reductions, so the SwiGLU program of pair (t, j) waits for no more routing than its own expert needs."""
+    keys = _route_keys(logits, t, s_l_t, E, BE)
+    best = tl.max(keys, axis=0)
+    for n in tl.static_range(1, K):
+        if n <= j:                                   # uniform over the program: a branch, not a mask
+            keys = tl.where(keys == best, -9223372036854775807 - 1, keys)
+            best = tl.max(keys, axis=0)
+    return _key_expert(best, BE)
 
 
 @triton.jit
@@ -81,13 +114,12 @@ def _route_kernel(logits, w, idx, s_l_t, E: tl.constexpr, BE: tl.constexpr, K: t
     tl.store(idx + t * K + ks, top_i, mask=mk)
 
 
-def route_triton(x: torch.Tensor, router_w: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference's `route` -> (w [T, k] x.dtype, idx [T, k] int64), the logits by the projection
-    GEMV (aten above its rows), the rest by _route_kernel."""
-    logits = project(x, router_w)                                           # [T, E] x.dtype
+def route_triton(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's `route` of logits [T, E] (a strided view is read in place) -> (w [T, k] logits.dtype,
+    idx [T, k] int64), by _route_kernel."""
     T, E = logits.shape
-    w = torch.empty((T, top_k), dtype=x.dtype, device=x.device)
-    idx = torch.empty((T, top_k), dtype=torch.int64, device=x.device)
+    w = torch.empty((T, top_k), dtype=logits.dtype, device=logits.device)
+    idx = torch.empty((T, top_k), dtype=torch.int64, device=logits.device)
     launch(_route_kernel, (T,), logits, w, idx, logits.stride(0), E=E, BE=next_pow2(E), K=top_k,
            BK=next_pow2(top_k), num_warps=2)
     return w, idx
@@ -124,8 +156,7 @@ def _moe_swiglu_kernel(x, logits, gate_up, sh_gate, sh_up, act, act_sh,
     rows = it * BI + tl.arange(0, BI)
     if pid < P:                                   # routed pair p = t*k + j
         t = pid // TOPK
-        _, top_i = _route_row(logits, t, s_l_t, E, BE, TOPK, BKK, False)   # each program routes its token itself
-        e = tl.sum(tl.where(tl.arange(0, BKK) == pid - t * TOPK, top_i, 0), axis=0)   # int64 weight offsets
+        e = _route_nth(logits, t, s_l_t, pid - t * TOPK, E, BE, TOPK)     # each program routes its pair itself
         mrow = rows < I
         w_e = gate_up + e * s_gu_e
         a = _swiglu_rows(x + t * s_x_t, s_x_h, w_e, s_gu_r, s_gu_h, w_e + I * s_gu_r, s_gu_r, s_gu_h,
@@ -140,16 +171,27 @@ def _moe_swiglu_kernel(x, logits, gate_up, sh_gate, sh_up, act, act_sh,
 
 
 @triton.jit
-def _moe_down_kernel(x, logits, down, sh_down, sh_gate_w, act, act_sh, y,
-                     s_x_t, s_x_h, s_l_t, s_d_e, s_d_h, s_d_i, s_sd_h, s_sd_i, s_sgw_h, s_y_t, s_y_h,
+def _moe_down_kernel(logits, down, sh_down, act, act_sh, y,
+                     s_l_t, s_d_e, s_d_h, s_d_i, s_sd_h, s_sd_i, s_y_t, s_y_h,
                      H: tl.constexpr, I: tl.constexpr, Is: tl.constexpr, E: tl.constexpr, BE: tl.constexpr,
-                     TOPK: tl.constexpr, BKK: tl.constexpr, BH: tl.constexpr, BI: tl.constexpr, BG: tl.constexpr):
+                     TOPK: tl.constexpr, BKK: tl.constexpr, BH: tl.constexpr, BI: tl.constexpr):
     t = tl.program_id(0)
     ih = tl.program_id(1)
-    DT: tl.constexpr = x.dtype.element_ty
+    DT: tl.constexpr = logits.dtype.element_ty      # x.dtype
     RT: tl.constexpr = y.dtype.element_ty           # where the down products round: x.dtype, or fp32 (fp32_out)
     rows = ih * BH + tl.arange(0, BH)
     mrow = rows < H
+
+    # the shared expert first: its loads need no routing, so they are in flight while the routing reduces
+    acc = tl.zeros([BH, BI], tl.float32)
+    for i0 in range(0, Is, BI):
+        offs_i = i0 + tl.arange(0, BI)
+        mi = offs_i < Is
+        av = tl.load(act_sh + t * Is + offs_i, mask=mi, other=0.0).to(tl.float32)
+        dw = tl.load(sh_down + rows[:, None] * s_sd_h + offs_i[None, :] * s_sd_i,
+                     mask=mrow[:, None] & mi[None, :], other=0.0)
+        acc += dw.to(tl.float32) * av[None, :]
+    shared = rnd(tl.sum(acc, axis=1), RT)
 
     # the k experts side by side: one [BKK, BH, BI] tile of down per step keeps k times the bytes in flight
     top_w, top_i = _route_row(logits, t, s_l_t, E, BE, TOPK, BKK)      # [BKK] fp32, int64 (lanes >= k: 0)
@@ -170,23 +212,7 @@ def _moe_down_kernel(x, logits, down, sh_down, sh_gate_w, act, act_sh, y,
     # exponents span more than 16 bits, so the order, a tree here, does not matter)
     routed = rnd(tl.sum(contrib, axis=0), RT)
 
-    acc = tl.zeros([BH, BI], tl.float32)
-    for i0 in range(0, Is, BI):
-        offs_i = i0 + tl.arange(0, BI)
-        mi = offs_i < Is
-        av = tl.load(act_sh + t * Is + offs_i, mask=mi, other=0.0).to(tl.float32)
-        dw = tl.load(sh_down + rows[:, None] * s_sd_h + offs_i[None, :] * s_sd_i,
-                     mask=mrow[:, None] & mi[None, :], other=0.0)
-        acc += dw.to(tl.float32) * av[None, :]
-    shared = rnd(tl.sum(acc, axis=1), RT)
-
-    gacc = tl.zeros([BG], tl.float32)                # shared-expert gate: sigmoid(x[t] . shared_gate_w)
-    for h0 in range(0, H, BG):
-        offs_h = h0 + tl.arange(0, BG)
-        mh = offs_h < H
-        xv = tl.load(x + t * s_x_t + offs_h * s_x_h, mask=mh, other=0.0).to(tl.float32)
-        gacc += tl.load(sh_gate_w + offs_h * s_sgw_h, mask=mh, other=0.0).to(tl.float32) * xv
-    gate = rnd(tl.sigmoid(rnd(tl.sum(gacc, axis=0), DT)), DT)
+    gate = rnd(tl.sigmoid(tl.load(logits + t * s_l_t + E).to(tl.float32)), DT)     # sigmoid(shared gate logit)
     res = routed + rnd(gate * shared, RT)
     tl.store(y + t * s_y_t + rows * s_y_h, to_dt(res, RT), mask=mrow)
 
@@ -200,20 +226,19 @@ BH2, BI2, W2 = 4, 256, 2
 
 
 @triton_op("onegraph::fused_moe_triton", mutates_args=())
-def fused_moe_triton(x: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+def fused_moe_triton(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                      shared_gate: torch.Tensor, shared_up: torch.Tensor, shared_down: torch.Tensor,
-                     shared_gate_w: torch.Tensor, top_k: int, fp32_out: bool = False) -> torch.Tensor:
-    _validate(x, router_w, gate_up, down, shared_gate, shared_up, shared_down, shared_gate_w, top_k)
+                     top_k: int, fp32_out: bool = False) -> torch.Tensor:
+    _validate(x, logits, gate_up, down, shared_gate, shared_up, shared_down, top_k)
     out_dtype = torch.float32 if fp32_out else x.dtype
     T, H = x.shape
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
     Is = shared_gate.shape[0]
     if T * top_k > E:     # static at trace time: the reference's prefill branch, as a grouped GEMM
-        w, idx = route_triton(x, router_w, top_k)                           # [T, k] x.dtype, int64
+        w, idx = route_triton(logits[:, :E], top_k)                          # [T, k] x.dtype, int64
         # this module's `launch` is passed on so that compile_check (which replaces it) records these too
         return fused_moe_prefill.fused_moe_prefill(x, w, idx, gate_up, down, shared_gate, shared_up,
-                                                   shared_down, shared_gate_w, out_dtype, launch=launch)
-    logits = project(x, router_w)          # [T, E] x.dtype; both kernels route from it (no route kernel)
+                                                   shared_down, logits, out_dtype, launch=launch)
     P = T * top_k
     act = torch.empty((P, I), dtype=x.dtype, device=x.device)
     act_sh = torch.empty((T, Is), dtype=x.dtype, device=x.device)
@@ -228,9 +253,9 @@ def fused_moe_triton(x: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Ten
     BHo = min(BH2, next_pow2(H))
     BIo = min(BI2, next_pow2(max(I, Is)))
     launch(_moe_down_kernel, (T, triton.cdiv(H, BHo)),
-           x, logits, down, shared_down, shared_gate_w, act, act_sh, y,
-           *x.stride(), logits.stride(0), *down.stride(), *shared_down.stride(), shared_gate_w.stride(1), *y.stride(),
-           H=H, I=I, Is=Is, BH=BHo, BI=BIo, BG=min(1024, next_pow2(H)), num_warps=W2, **route)
+           logits, down, shared_down, act, act_sh, y,
+           logits.stride(0), *down.stride(), *shared_down.stride(), *y.stride(),
+           H=H, I=I, Is=Is, BH=BHo, BI=BIo, num_warps=W2, **route)
     return y
 
 

@@ -2,7 +2,8 @@
 the reference loops over all E experts. Called by custom_ops/triton/fused_moe.py after the router.
 
 Shapes: x [T, H]; w, idx [T, k] (router output); gate_up [E, 2I, H]; down [E, H, I]; shared_gate,
-shared_up [Is, H]; shared_down [H, Is]; shared_gate_w [1, H]. P = T*k (token, expert) pairs.
+shared_up [Is, H]; shared_down [H, Is]; logits [T, E + 1] (its last column the shared expert's gate
+logit). P = T*k (token, expert) pairs.
 
 Algorithm (grouped GEMM over expert-sorted pairs; every shape static, so export/AOTInductor trace it):
  0. aten: sort each token's k experts ascending (pair p = t*k + j is then the token's j-th smallest
@@ -21,7 +22,7 @@ Algorithm (grouped GEMM over expert-sorted pairs; every shape static, so export/
  5. `_combine_kernel`, grid (T, cdiv(H, BH)): routed = y[t*k] + y[t*k+1] + ... rounded to x.dtype
     after each add (ascending expert id, as the reference's per-expert loop does; the reference's
     exact-zero terms for unselected experts change nothing), then
-    out = rnd(routed + rnd(rnd(sigmoid(rnd(x[t] . shared_gate_w))) * y_sh[t])).
+    out = rnd(routed + rnd(rnd(sigmoid(logits[t, E])) * y_sh[t])).
 Numerics: fp32 accumulation (fp32 operands in IEEE fp32, not tf32); every rounding of the reference's
 prefill branch to x.dtype is reproduced (`rnd`), so bf16 tracks eager to a rare 1-ulp flip.
 Weight offsets: expert ids are int64 (e * stride exceeds 2^31 elements on large models).
@@ -107,11 +108,11 @@ def _grouped_down_kernel(act, src, wts, blk_e, blk_row, blk_end, wd, out,
 
 
 @triton.jit
-def _combine_kernel(x, y_pair, y_sh, sgw, out, s_x_t, s_x_h, s_sgw_h, s_o_t, s_o_h,
-                    H: tl.constexpr, TOPK: tl.constexpr, BH: tl.constexpr, BG: tl.constexpr):
+def _combine_kernel(logits, y_pair, y_sh, out, s_l_t, s_o_t, s_o_h,
+                    H: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, BH: tl.constexpr):
     t = tl.program_id(0)
     hb = tl.program_id(1)
-    DT: tl.constexpr = x.dtype.element_ty
+    DT: tl.constexpr = logits.dtype.element_ty      # x.dtype
     RT: tl.constexpr = out.dtype.element_ty         # x.dtype, or fp32 (fp32_out: no rounding after the GEMMs)
     cols = hb * BH + tl.arange(0, BH)
     mc = cols < H
@@ -119,13 +120,7 @@ def _combine_kernel(x, y_pair, y_sh, sgw, out, s_x_t, s_x_h, s_sgw_h, s_o_t, s_o
     routed = tl.load(y_pair + (t * TOPK) * H + cols, mask=mc, other=0.0).to(tl.float32)
     for j in tl.static_range(1, TOPK):
         routed = rnd(routed + tl.load(y_pair + (t * TOPK + j) * H + cols, mask=mc, other=0.0).to(tl.float32), RT)
-    gacc = tl.zeros([BG], tl.float32)               # shared-expert gate: sigmoid(x[t] . shared_gate_w)
-    for h0 in range(0, H, BG):
-        offs = h0 + tl.arange(0, BG)
-        mh = offs < H
-        xv = tl.load(x + t * s_x_t + offs * s_x_h, mask=mh, other=0.0).to(tl.float32)
-        gacc += tl.load(sgw + offs * s_sgw_h, mask=mh, other=0.0).to(tl.float32) * xv
-    gate = rnd(tl.sigmoid(rnd(tl.sum(gacc, axis=0), DT)), DT)
+    gate = rnd(tl.sigmoid(tl.load(logits + t * s_l_t + E).to(tl.float32)), DT)    # sigmoid(shared gate logit)
     shared = tl.load(y_sh + t * H + cols, mask=mc, other=0.0).to(tl.float32)
     res = routed + rnd(gate * shared, RT)
     tl.store(out + t * s_o_t + cols * s_o_h, to_dt(res, RT), mask=mc)
@@ -191,9 +186,10 @@ def _grouped_down(act, src, blocks, BM, wd, wts, out, launch):
            num_warps=4)
 
 
-def fused_moe_prefill(x, w, idx, gate_up, down, shared_gate, shared_up, shared_down, shared_gate_w,
+def fused_moe_prefill(x, w, idx, gate_up, down, shared_gate, shared_up, shared_down, logits,
                       out_dtype=None, launch=_launch):
-    """x [T, H], w [T, k] x.dtype, idx [T, k] int64 (from `route`) -> y [T, H] in out_dtype (None: x.dtype;
+    """x [T, H], w [T, k] x.dtype, idx [T, k] int64 (from `route`), logits [T, E + 1] (fused_moe's: the last
+    column is the shared expert's gate logit) -> y [T, H] in out_dtype (None: x.dtype;
     fp32: fused_moe's fp32_out). `launch` is the caller's module-level launcher (compile_check records
     launches by replacing it there)."""
     out_dtype = out_dtype or x.dtype
@@ -221,6 +217,5 @@ def fused_moe_prefill(x, w, idx, gate_up, down, shared_gate, shared_up, shared_d
     y = torch.empty((T, H), dtype=out_dtype, device=x.device)
     BH = min(BH_COMBINE, next_pow2(H))
     launch(_combine_kernel, (T, triton.cdiv(H, BH)),
-           x, y_pair, y_sh, shared_gate_w, y, *x.stride(), shared_gate_w.stride(1), *y.stride(),
-           H=H, TOPK=k, BH=BH, BG=min(1024, next_pow2(H)), num_warps=4)
+           logits, y_pair, y_sh, y, logits.stride(0), *y.stride(), H=H, E=E, TOPK=k, BH=BH, num_warps=4)
     return y

@@ -22,40 +22,68 @@ from torch.library import triton_op
 
 from .. import _registry
 from ..linear import _validate
-from ._common import INTERPRETED, launch, mma, to_dt
+from ._common import INTERPRETED, launch, mma, rnd, to_dt
 
 GEMV_MAX_M = 16
 
 
 @triton.jit
-def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, K: tl.constexpr,
+def _add_norm_rows(x, res, nw, rm, mm, rk, mk, s_x_m, inv, DT: tl.constexpr):
+    """The add_rms_norm of rows rm, columns rk of x + res: -> (h, normed) [BM, BK] fp32 holding DT values:
+    h = x + res rounded to DT (the residual stream), normed = h * inv[m] * (1 + nw) rounded to DT."""
+    m2 = mm[:, None] & mk[None, :]
+    off = rm[:, None] * s_x_m + rk[None, :]
+    h = rnd(tl.load(res + off, mask=m2, other=0.0).to(tl.float32) + tl.load(x + off, mask=m2, other=0.0).to(tl.float32), DT)
+    wn = tl.load(nw + rk, mask=mk, other=0.0).to(tl.float32)
+    return h, rnd(h * inv[:, None] * (1.0 + wn[None, :]), DT)
+
+
+@triton.jit
+def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps, K: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
-                 DOT_F32: tl.constexpr):
-    """y[:M, n-tile] = x[:M] @ w[n-tile].T; x and w contiguous along K."""
+                 DOT_F32: tl.constexpr, NORM: tl.constexpr):
+    """y[:M, n-tile] = x[:M] @ w[n-tile].T; x and w contiguous along K.
+    NORM (add_rms_norm_linear): the rows multiplied are rms_norm(x + res) * (1 + nw) instead of x, made
+    from x and res in a prologue pass over K (the rows' statistics) and again per K tile; program 0 also
+    writes them (normed) and x + res (hout), rows of s_x_m. x, res [M, K] are 2-8 KB per row, read from L2."""
     pid = tl.program_id(0)
     DT: tl.constexpr = y.dtype.element_ty
     rn = pid * BN + tl.arange(0, BN)
     mn = rn < N
     rn64 = rn.to(tl.int64)                           # w offsets pass 2**31 for the large projections
-    if DOT:
-        rm = tl.arange(0, BM)
-        mm = rm < M
-        acc = tl.zeros([BM, BN], tl.float32)
+    rm = tl.arange(0, BM)
+    mm = rm < M
+    inv = tl.zeros([BM], tl.float32)
+    if NORM:                                         # inv[m] = rsqrt(mean((x + res)[m]^2) + eps), fp32
+        ss = tl.zeros([BM, BK], tl.float32)
         for k0 in range(0, K, BK):
             rk = k0 + tl.arange(0, BK)
-            mk = rk < K
-            xt = tl.load(x + rm[:, None] * s_x_m + rk[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
-            wt = tl.load(w + rn64[:, None] * s_w_n + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
-            acc = mma(xt, tl.trans(wt), acc, DOT_F32)
-        tl.store(y + rm[:, None] * s_y_m + rn[None, :], to_dt(acc, DT), mask=mm[:, None] & mn[None, :])
+            h, _ = _add_norm_rows(x, res, nw, rm, mm, rk, rk < K, s_x_m, inv, DT)
+            ss += h * h
+        inv = tl.rsqrt(tl.sum(ss, axis=1) / K + tl.cast(eps, tl.float32))   # AOTI passes floats as fp64
+    if DOT:
+        acc = tl.zeros([BM, BN], tl.float32)
     else:
         acc = tl.zeros([BN, BK], tl.float32)
-        for k0 in range(0, K, BK):
-            rk = k0 + tl.arange(0, BK)
-            mk = rk < K
-            xv = tl.load(x + rk, mask=mk, other=0.0).to(tl.float32)
-            wt = tl.load(w + rn64[:, None] * s_w_n + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
-            acc += wt.to(tl.float32) * xv[None, :]
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        mk = rk < K
+        if NORM:
+            h, xt = _add_norm_rows(x, res, nw, rm, mm, rk, mk, s_x_m, inv, DT)
+            if pid == 0:
+                keep = mm[:, None] & mk[None, :]
+                tl.store(hout + rm[:, None] * s_x_m + rk[None, :], to_dt(h, DT), mask=keep)
+                tl.store(normed + rm[:, None] * s_x_m + rk[None, :], to_dt(xt, DT), mask=keep)
+        else:
+            xt = tl.load(x + rm[:, None] * s_x_m + rk[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
+        wt = tl.load(w + rn64[:, None] * s_w_n + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+        if DOT:
+            acc = mma(xt.to(DT), tl.trans(wt), acc, DOT_F32)
+        else:                                        # M == 1: BM == 1, fp32 FMA into [BN, BK]
+            acc += wt.to(tl.float32) * xt.to(tl.float32)
+    if DOT:
+        tl.store(y + rm[:, None] * s_y_m + rn[None, :], to_dt(acc, DT), mask=mm[:, None] & mn[None, :])
+    else:
         tl.store(y + rn, to_dt(tl.sum(acc, axis=1), DT), mask=mn)
 
 
@@ -79,16 +107,25 @@ def tile(M: int, K: int) -> tuple[int, int, int, int]:
     return bn, min(bk, triton.next_power_of_2(K)), warps, stages
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """x [M <= GEMV_MAX_M, K] @ w [N, K].T by _gemv_kernel; cfg overrides the tile (benchmarks only)."""
+def gemv(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, int] | None = None,
+         norm: tuple[torch.Tensor, torch.Tensor, float] | None = None):
+    """x [M <= GEMV_MAX_M, K] @ w [N, K].T by _gemv_kernel; cfg overrides the tile (benchmarks only).
+    norm = (residual [M, K], norm weight [K], eps): add_rms_norm_linear's rows instead of x, and returns
+    (y, normed, x + residual)."""
     M, K = x.shape
     N = w.shape[0]
     x, w = x.contiguous(), w.contiguous()
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = cfg or tile(M, K)
-    launch(_gemv_kernel, (triton.cdiv(N, bn),), x, w, y, M, N, x.stride(0), w.stride(0), y.stride(0), K=K,
-           BM=16, BN=bn, BK=bk, DOT=M > 1, DOT_F32=INTERPRETED, num_warps=warps, num_stages=stages)
-    return y
+    if norm is None:
+        res, nw, normed, h, eps = x, x, y, y, 0.0
+    else:
+        res, nw, eps = norm[0].contiguous(), norm[1], norm[2]
+        normed, h = torch.empty_like(x), torch.empty_like(x)
+    launch(_gemv_kernel, (triton.cdiv(N, bn),), x, w, y, M, N, x.stride(0), w.stride(0), y.stride(0),
+           res, nw, normed, h, eps, K=K, BM=1 if M == 1 else 16, BN=bn, BK=bk, DOT=M > 1,
+           DOT_F32=INTERPRETED, NORM=norm is not None, num_warps=warps, num_stages=stages)
+    return y if norm is None else (y, normed, h)
 
 
 def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
