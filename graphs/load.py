@@ -91,6 +91,8 @@ def describe_checkpoint(spec: str | Path) -> tuple[str, LoadError | None]:
              f"model: {cfg.model_type} layers={cfg.num_layers} hidden={cfg.hidden_size} vocab={cfg.vocab_size} "
              f"experts={cfg.num_experts} tied={cfg.tie_word_embeddings}",
              f"quantization_config: {quant}", c.summary()]
+    if method:
+        lines.insert(3, f"quantization: {quantfmt.SCHEMES[method].describe}")
     if refusal is None:
         try:
             c.check()

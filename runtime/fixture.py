@@ -19,6 +19,12 @@ from pathlib import Path
 from .artifact import ArtifactError
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.25, "float16": 0.1}
+# W8A8 artifacts (export --quant int8 | fp8-channel, graphs/quant.py) round every projection's input to 8 bits
+# per row inside the graph: an ulp of difference in that input (the compiled graph sums a norm in another
+# order) can move one activation across a rounding boundary, or a row's amax and so its scale, and each such
+# flip moves the logits by about 1e-2 (tiny, fp32: 0.0118 at a 12-token prefill). Their logits are held to
+# this, and their ids must still match wherever eager's top-2 margin exceeds twice it.
+W8A8_SCHEMES, W8A8_TOLERANCE = ("int8", "fp8-channel"), 0.05
 # a quarter of the logit tolerance: router logits are dot products over the same hidden size, and the
 # router logits of the flips seen (bf16) were 0.02 apart
 ROUTER_NEAR_TIE = {k: v / 4 for k, v in TOLERANCE.items()}
@@ -28,6 +34,8 @@ def check_fixture(executor, manifest: dict) -> dict:
     from safetensors.torch import load_file
     fx = load_file(str(Path(manifest["_root"]) / manifest["fixture"]))
     tol, near_tie = TOLERANCE[manifest["dtype"]], ROUTER_NEAR_TIE[manifest["dtype"]]
+    if manifest.get("options", {}).get("quant") in W8A8_SCHEMES and tol < W8A8_TOLERANCE:
+        tol, near_tie = W8A8_TOLERANCE, W8A8_TOLERANCE / 4
     worst, routing_flips, compared = 0.0, [], 0
     i = 0
     while f"prompt{i}" in fx:
