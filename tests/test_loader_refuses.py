@@ -266,7 +266,8 @@ def test_cli_threads_allow_unused_weights_into_export_options(ckpts, tmp_path, m
     assert cli.main(["export", str(ckpts["stray"]), "--out", str(tmp_path / "a"), "--allow-unused-weights"]) == 0
     assert seen["opts"].allow_unused_weights is True
     assert cli.main(["export", str(ckpts["stray"]), "--out", str(tmp_path / "a")]) == 0
-    assert seen["opts"].allow_unused_weights is False and seen["opts"].quant == "none"
+    # quant auto: the checkpoint's own scheme, which export resolves and records
+    assert seen["opts"].allow_unused_weights is False and seen["opts"].quant == "auto"
     assert cli.main(["export", str(ckpts["stray"]), "--out", str(tmp_path / "a"), "--quant", "fp8"]) == 0
     assert seen["opts"].quant == "fp8"
 
