@@ -26,14 +26,16 @@ from triton.runtime.jit import JITFunction
 from triton.backends.compiler import GPUTarget
 
 from .. import _registry
+from . import linear_w8a8
 from . import (attention_decode, attention_prefill, causal_conv, fused_moe, gdn_decode_step, gdn_decode_step_norm,
                gdn_prefill, linear, linear_fp8, norms, qk_norm_rope, rope, sample)
 
 MODULES = (attention_decode, attention_prefill, causal_conv, fused_moe, gdn_decode_step, gdn_decode_step_norm,
            gdn_prefill, linear, linear_fp8, norms, qk_norm_rope, rope, sample)
+MODULES += (linear_w8a8,)
 SMEM_LIMIT = 232448            # bytes per block on sm_90 (227 KiB opt-in)
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
-          torch.int32: "i32", torch.float8_e4m3fn: "fp8e4nv"}
+          torch.int32: "i32", torch.float8_e4m3fn: "fp8e4nv", torch.int8: "i8"}
 
 
 def cases(B: int):
@@ -66,6 +68,10 @@ def cases(B: int):
                          torch.empty(97, 16, dtype=torch.float32, **m))
     yield "linear_fp8", (torch.empty(B, 4096, **bf), torch.empty(2048, 4096, **f8),
                          torch.empty(16, 32, dtype=torch.float32, **m))
+    for w8 in (dict(dtype=torch.int8, **m), f8):                   # W8A8: per-channel scales, decode and prefill rows
+        op = "linear_w8a8_int8" if w8["dtype"] == torch.int8 else "linear_w8a8_fp8"
+        for rows, n, k in ((B, 12352, 2048), (B, 2048, 4096), (2048, 12352, 2048)):
+            yield op, (torch.empty(rows, k, **bf), torch.empty(n, k, **w8), torch.empty(n, 1, dtype=torch.float32, **m))
     yield "rms_norm", (torch.empty(B, 2048, **bf), torch.empty(2048, **bf), 1e-6)
     yield "add_rms_norm", (torch.empty(B, 2048, **bf), torch.empty(B, 2048, **bf), torch.empty(2048, **bf), 1e-6)
     yield "gated_rms_norm", (torch.empty(B * 32, 128, **bf), torch.empty(B * 32, 128, **bf), torch.empty(128, **bf), 1e-6)
