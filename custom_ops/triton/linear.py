@@ -28,14 +28,20 @@ GEMV_MAX_M = 16
 
 
 @triton.jit
-def _add_norm_rows(x, res, nw, rm, mm, rk, mk, s_x_m, inv, DT: tl.constexpr):
-    """The add_rms_norm of rows rm, columns rk of x + res: -> (h, normed) [BM, BK] fp32 holding DT values:
-    h = x + res rounded to DT (the residual stream), normed = h * inv[m] * (1 + nw) rounded to DT."""
-    m2 = mm[:, None] & mk[None, :]
-    off = rm[:, None] * s_x_m + rk[None, :]
-    h = rnd(tl.load(res + off, mask=m2, other=0.0).to(tl.float32) + tl.load(x + off, mask=m2, other=0.0).to(tl.float32), DT)
-    wn = tl.load(nw + rk, mask=mk, other=0.0).to(tl.float32)
-    return h, rnd(h * inv[:, None] * (1.0 + wn[None, :]), DT)
+def _offsets(rm, mm, rk, mk, s_x_m, ROWS: tl.constexpr):
+    """Offsets and mask of x's tile at columns rk: [BM, BK] (ROWS) or row 0's [BK] (M == 1: kept 1-D so it
+    broadcasts over the weight tile without a layout conversion)."""
+    if ROWS:
+        return rm[:, None] * s_x_m + rk[None, :], mm[:, None] & mk[None, :]
+    else:
+        return rk, mk
+
+
+@triton.jit
+def _h_tile(x, res, off, m2, DT: tl.constexpr):
+    """add_rms_norm's residual sum x + res, rounded to the model dtype DT (fp32 holding DT values)."""
+    return rnd(tl.load(res + off, mask=m2, other=0.0).to(tl.float32)
+               + tl.load(x + off, mask=m2, other=0.0).to(tl.float32), DT)
 
 
 @triton.jit
@@ -43,9 +49,9 @@ def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
                  DOT_F32: tl.constexpr, NORM: tl.constexpr):
     """y[:M, n-tile] = x[:M] @ w[n-tile].T; x and w contiguous along K.
-    NORM (add_rms_norm_linear): the rows multiplied are rms_norm(x + res) * (1 + nw) instead of x, made
-    from x and res in a prologue pass over K (the rows' statistics) and again per K tile; program 0 also
-    writes them (normed) and x + res (hout), rows of s_x_m. x, res [M, K] are 2-8 KB per row, read from L2."""
+    NORM (add_rms_norm_linear): the rows multiplied are rms_norm(x + res) * (1 + nw) instead of x, made from
+    x and res by a prologue pass over K (the rows' statistics) and again per K tile; program 0 also writes
+    them (normed) and x + res (hout), rows of s_x_m. x and res are 2-8 KB per row, read from L2."""
     pid = tl.program_id(0)
     DT: tl.constexpr = y.dtype.element_ty
     rn = pid * BN + tl.arange(0, BN)
@@ -53,14 +59,20 @@ def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps,
     rn64 = rn.to(tl.int64)                           # w offsets pass 2**31 for the large projections
     rm = tl.arange(0, BM)
     mm = rm < M
-    inv = tl.zeros([BM], tl.float32)
-    if NORM:                                         # inv[m] = rsqrt(mean((x + res)[m]^2) + eps), fp32
-        ss = tl.zeros([BM, BK], tl.float32)
+    if NORM:                                         # inv = rsqrt(mean((x + res)^2) + eps) per row, fp32
+        if DOT:
+            ss = tl.zeros([BM, BK], tl.float32)
+        else:
+            ss = tl.zeros([BK], tl.float32)
         for k0 in range(0, K, BK):
             rk = k0 + tl.arange(0, BK)
-            h, _ = _add_norm_rows(x, res, nw, rm, mm, rk, rk < K, s_x_m, inv, DT)
+            off, m2 = _offsets(rm, mm, rk, rk < K, s_x_m, DOT)
+            h = _h_tile(x, res, off, m2, DT)
             ss += h * h
-        inv = tl.rsqrt(tl.sum(ss, axis=1) / K + tl.cast(eps, tl.float32))   # AOTI passes floats as fp64
+        if DOT:
+            inv = tl.rsqrt(tl.sum(ss, axis=1) / K + tl.cast(eps, tl.float32))   # [BM]; AOTI passes floats as fp64
+        else:
+            inv = tl.rsqrt(tl.sum(ss, axis=0) / K + tl.cast(eps, tl.float32))
     if DOT:
         acc = tl.zeros([BM, BN], tl.float32)
     else:
@@ -68,19 +80,24 @@ def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps,
     for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
         mk = rk < K
-        if NORM:
-            h, xt = _add_norm_rows(x, res, nw, rm, mm, rk, mk, s_x_m, inv, DT)
+        off, m2 = _offsets(rm, mm, rk, mk, s_x_m, DOT)
+        if NORM:                                     # h * inv * (1 + nw) rounded to DT; program 0 stores h, them
+            h = _h_tile(x, res, off, m2, DT)
+            wn = 1.0 + tl.load(nw + rk, mask=mk, other=0.0).to(tl.float32)
+            if DOT:
+                xt = rnd(h * inv[:, None] * wn[None, :], DT)
+            else:
+                xt = rnd(h * inv * wn, DT)
             if pid == 0:
-                keep = mm[:, None] & mk[None, :]
-                tl.store(hout + rm[:, None] * s_x_m + rk[None, :], to_dt(h, DT), mask=keep)
-                tl.store(normed + rm[:, None] * s_x_m + rk[None, :], to_dt(xt, DT), mask=keep)
+                tl.store(hout + off, to_dt(h, DT), mask=m2)
+                tl.store(normed + off, to_dt(xt, DT), mask=m2)
         else:
-            xt = tl.load(x + rm[:, None] * s_x_m + rk[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
+            xt = tl.load(x + off, mask=m2, other=0.0)
         wt = tl.load(w + rn64[:, None] * s_w_n + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
         if DOT:
             acc = mma(xt.to(DT), tl.trans(wt), acc, DOT_F32)
-        else:                                        # M == 1: BM == 1, fp32 FMA into [BN, BK]
-            acc += wt.to(tl.float32) * xt.to(tl.float32)
+        else:                                        # M == 1: fp32 FMA into [BN, BK]
+            acc += wt.to(tl.float32) * xt.to(tl.float32)[None, :]
     if DOT:
         tl.store(y + rm[:, None] * s_y_m + rn[None, :], to_dt(acc, DT), mask=mm[:, None] & mn[None, :])
     else:
