@@ -252,3 +252,33 @@ def test_aoti_package_writes_state_in_place(tmp_path):
     hint = "" if res.returncode != -11 else (
         "\nSIGSEGV: run with LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6) (docs/design.md)")
     assert res.returncode == 0 and "AOTI OK" in res.stdout, res.stdout[-3000:] + res.stderr[-6000:] + hint
+
+
+@needs_triton
+@pytest.mark.skipif(CUDA, reason="CPU only: on a GPU test_aoti_package_writes_state_in_place checks the compiled kernel")
+def test_cpu_aoti_package_reinplaces_the_fold(tmp_path):
+    """AOTInductor on the folded program (CPU, so the in-place twin stays an external op, its kernel
+    interpreted): the package calls the twin on the state inputs themselves, with no clone of the state, no
+    copy-back and no index_copy, and matches eager, state included, over 2 steps."""
+    import re
+    import zipfile
+    HK, HV, K, V = 2, 4, 16, 16
+    inputs = gdn_block_inputs(2, 4, HK, HV, K, V, torch.float32, 3)
+    ep, folded, _ = export_gdn_block(inputs, HK, HV, K, V)
+    assert folded == 1
+    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "gdn.pt2"))
+    with zipfile.ZipFile(path) as z:
+        src = "\n".join(z.read(n).decode() for n in z.namelist() if n.endswith(".cpp"))
+    calls = [ln for ln in src.splitlines() if "proxy_executor_call_function(" in ln]
+    assert len(calls) == 1, calls                                # the twin, once
+    assert not re.search(r"index_copy|clone|copy_\(|aoti_torch_copy", src), "a write-back or state copy survived"
+    pkg = torch._inductor.aoti_load_package(path)
+    eager, aoti = [t.clone() for t in inputs], [t.clone() for t in inputs]
+    g = torch.Generator().manual_seed(9)
+    for step in range(2):
+        x = torch.randn(inputs[0].shape, generator=g)
+        eager[0], aoti[0] = x, x.clone()
+        ref = _GdnDecode(HK, HV, K, V)(*eager)
+        close(pkg(*aoti), ref, 1e-4, f"step {step} y")
+        close(aoti[1], eager[1], 0.0, f"step {step} conv state")
+        close(aoti[2], eager[2], 1e-4, f"step {step} recurrent state")
