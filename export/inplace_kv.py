@@ -17,7 +17,8 @@ kc' and vc' take the index_put results' place (the graph's input-mutation output
 op's inputs). The values are the same by the twin's contract; AOTInductor re-inplaces an
 auto-functionalized op whose mutated bases are graph inputs the graph mutates anyway, so the kernel
 writes the rows in place: no clone, no copy, no extra launch. Only that exact pattern is rewritten:
-the caches user inputs read by nothing else before the write, k' used only by its index_put, both
+the caches user inputs read by nothing else before the write, k' used only by its index_put (directly
+or through one same-shape view), v of k's shape, both
 index_puts at the same (w_slots, w_pos) nodes and consumed by one attention op as its k/v caches.
 """
 from __future__ import annotations
@@ -51,6 +52,14 @@ def _index_put(node):
     return base, idx[0], idx[2], value
 
 
+def _same_rows(value_shape, shape) -> bool:
+    """index_put broadcasts its value to the indexed shape [N, KVH, D]: a value of `shape` with leading
+    size-1 dims dropped writes the same rows."""
+    value_shape, shape = tuple(value_shape), tuple(shape)
+    lead = len(shape) - len(value_shape)
+    return lead >= 0 and value_shape == shape[lead:] and all(d == 1 for d in shape[:lead])
+
+
 def fold_kv_writes(ep: torch.export.ExportedProgram) -> int:
     """Rewrites `ep` in place (see the module docstring); returns how many layers were folded."""
     gm, graph = ep.graph_module, ep.graph
@@ -65,9 +74,15 @@ def fold_kv_writes(ep: torch.export.ExportedProgram) -> int:
         outs = {u.args[1]: u for u in node.users if u.target is operator.getitem}
         if len(outs) != len(node.users) or set(outs) != {0, 1} or len(outs[1].users) != 1:
             continue
-        k_put = next(iter(outs[1].users))
+        k_val, k_view = outs[1], None
+        shape = tuple(k_val.meta["val"].shape)                         # [N, KVH, D]
+        user = next(iter(k_val.users))
+        if user.target is torch.ops.aten.view.default and len(user.users) == 1 \
+                and _same_rows(user.meta["val"].shape, shape):       # export views a batch-1 value as [KVH, D]
+            k_view, k_val = user, user
+        k_put = next(iter(k_val.users))
         kp = _index_put(k_put)
-        if kp is None or kp[3] is not outs[1]:
+        if kp is None or kp[3] is not k_val:
             continue
         kc, w_slots, w_pos, _ = kp
         # the attention op reading kc' as its k cache and, next to it, vc' written at the same rows
@@ -79,6 +94,8 @@ def fold_kv_writes(ep: torch.export.ExportedProgram) -> int:
         if vp is None or vp[1] is not w_slots or vp[2] is not w_pos:
             continue
         vc, v = vp[0], vp[3]
+        if not _same_rows(v.meta["val"].shape, shape):
+            continue
         if not all(b.op == "placeholder" and b.name in user_inputs and len(b.users) == 1 for b in (kc, vc)) or kc is vc:
             continue
         last = max(k_put, v_put, key=order.__getitem__)
@@ -89,6 +106,10 @@ def fold_kv_writes(ep: torch.export.ExportedProgram) -> int:
         kwargs = dict(args, v=v, w_slots=w_slots, w_pos=w_pos, _k_cache_base_index=0, _v_cache_base_index=1,
                       _all_bases=[kc, vc])
         with graph.inserting_before(last):
+            if tuple(v.meta["val"].shape) != shape:                      # the twin reads v as [N, KVH, D]
+                v = graph.call_function(torch.ops.aten.view.default, (v, list(shape)))
+                v.meta["val"] = kwargs["v"].meta["val"].view(shape)
+                kwargs["v"] = v
             af = graph.call_function(auto_functionalized_v2, (twin_op,), kwargs)
             news = [graph.call_function(operator.getitem, (af, i)) for i in range(3)]
         af.meta["val"] = (outs[0].meta["val"], k_put.meta["val"], v_put.meta["val"])
@@ -101,7 +122,7 @@ def fold_kv_writes(ep: torch.export.ExportedProgram) -> int:
         for put, new in ((k_put, news[1]), (v_put, news[2])):
             renamed[put.name] = new.name
             put.replace_all_uses_with(new)
-        for dead in (k_put, v_put, outs[1], outs[0], node):
+        for dead in (k_put, v_put, *([k_view] if k_view is not None else []), outs[1], outs[0], node):
             graph.erase_node(dead)
         folded += 1
     if folded:
