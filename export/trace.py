@@ -12,6 +12,7 @@ from onegraph.custom_ops import decompositions
 
 from .entry import GraphSpec, dynamic_shapes, entry_module, example_inputs
 from .inplace import fold_state_writes, inplace_op_names
+from .inplace_kv import fold_kv_writes, kv_inplace_op_names
 
 ALLOWED_NAMESPACES = {"aten", "prims", "_c10d_functional", "c10d_functional"}
 
@@ -25,7 +26,8 @@ def allowed_extra_ops(device_type: str) -> set[str]:
     from onegraph.custom_ops._registry import REGISTRY
     if device_type == "cpu":
         return set()
-    return ({getattr(s, "triton_name", None) for s in REGISTRY.values()} - {None}) | inplace_op_names()
+    return ({getattr(s, "triton_name", None) for s in REGISTRY.values()} - {None}) | inplace_op_names() \
+        | kv_inplace_op_names()
 
 
 def check_lowered(ep: torch.export.ExportedProgram, device_type: str) -> dict[str, int]:
@@ -65,4 +67,5 @@ def trace(model, spec: GraphSpec, device, kernels: str = "auto") -> tuple[torch.
         ep = ep.run_decompositions(decompositions(dev.type, kernels))
         if dev.type != "cpu" and kernels == "auto":
             fold_state_writes(ep)          # the Triton kernels write decode state rows in place
+            fold_kv_writes(ep)             # and the attention layers' KV-cache rows
     return ep, check_lowered(ep, dev.type)

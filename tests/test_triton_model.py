@@ -16,6 +16,7 @@ from triton_env import DEVICE, needs_triton
 from onegraph.custom_ops import PYTHON_CALLS, decompositions
 from onegraph.export.entry import dynamic_shapes, entry_module, example_inputs, graph_spec
 from onegraph.export.inplace import fold_state_writes
+from onegraph.export.inplace_kv import fold_kv_writes
 from onegraph.export.trace import check_lowered
 from onegraph.graphs.load import load_model
 from onegraph.runtime.executor import GraphExecutor, Sampling
@@ -40,8 +41,10 @@ def executors():
             # as export/trace.py does: decode's GDN state rows written in place by the kernel
             n_gdn = sum(k == "linear_attention" for k in model.cfg.layer_types)
             assert fold_state_writes(ep) == (n_gdn if kind == "decode" else 0)
+            assert fold_kv_writes(ep) == len(model.cfg.layer_types) - n_gdn   # KV rows written by the kernel
             hist = check_lowered(ep, "cuda")
             assert kind != "decode" or "aten::index_copy" not in hist, hist
+            assert "aten::index_put" not in hist, hist
             assert not any(n.startswith("onegraph::") and not n.endswith("_triton") for n in hist), hist
             graphs[spec.name] = (lambda f: lambda inputs: f(*inputs))(ep.module())
             meta[spec.name] = spec.manifest()
