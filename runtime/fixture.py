@@ -64,4 +64,31 @@ def check_fixture(executor, manifest: dict) -> dict:
     if routing_flips and not compared:
         raise ArtifactError(f"parity fixture: no prompt could be compared past its prefill (routing near-ties: "
                             f"{routing_flips})")
-    return {"prompts": i, "max_logit_diff": worst, "tolerance": tol, "routing_flips": routing_flips}
+    report = {"prompts": i, "max_logit_diff": worst, "tolerance": tol, "routing_flips": routing_flips}
+    if getattr(executor, "speculative_tokens", 0):
+        report["speculation"] = check_speculation(executor, fx, tol)
+    return report
+
+
+def check_speculation(executor, fx: dict, tol: float) -> dict:
+    """A speculative artifact's rounds (graphs/spec_graphs.py) must emit the graphs' own speculation-off
+    ids for every fixture prompt, up to a near-tie of eager's logits (the rule above) -> the rounds' mean
+    accepted drafts."""
+    from onegraph.custom_ops.sample import Sampling
+    rounds, accepted, i = 0, 0, 0
+    while f"prompt{i}" in fx:
+        prompt, ref_logits = fx[f"prompt{i}"].tolist(), fx[f"logits{i}"]
+        want, _ = executor.generate(prompt, len(ref_logits), slot=0)
+        ids, _ = executor.prefill(prompt, 0)
+        got = [int(ids[0])]
+        while len(got) < len(want):
+            n_acc, targets = executor.spec_step([0], [Sampling()])
+            a = int(n_acc[0])
+            rounds, accepted = rounds + 1, accepted + a
+            got += targets[0, :a + 1].tolist()
+        diff = next((s for s, (x, y) in enumerate(zip(got, want)) if x != y), None)
+        if diff is not None and float(ref_logits[diff].topk(2).values.diff().abs()) > 2 * tol:
+            raise ArtifactError(f"parity fixture: prompt {i}: speculative decoding gives {got[diff]} at step {diff}, "
+                                f"decode gives {want[diff]}")
+        i += 1
+    return {"rounds": rounds, "accepted_mean": accepted / max(1, rounds)}

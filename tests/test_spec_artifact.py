@@ -231,6 +231,7 @@ def test_cli_generate_json(spec_artifact, capsys, one_thread):
     assert on["token_ids"] == off["token_ids"] and len(on["token_ids"]) == 24
     assert on["speculation"]["tokens"] == K and 0 <= on["speculation"]["accepted_mean"] <= K
     assert off["speculation"] is None
+    assert on["fixture"]["speculation"]["rounds"] > 0       # the load-time fixture also checks the rounds
 
 
 def test_metrics_report_acceptance(engines):
