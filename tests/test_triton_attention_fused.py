@@ -273,6 +273,28 @@ def test_fold_kv_writes_whole_decode_graph(tiny_dev):
     assert all(torch.equal(a, b) for a, b in zip(st0, st1)), "state differs"
 
 
+@needs_triton
+@pytest.mark.skipif(DEVICE == "cuda", reason="CPU only: on a GPU test_fold_kv_writes_aoti checks the compiled kernel")
+def test_cpu_aoti_package_reinplaces_the_kv_fold(tiny_dev, tmp_path):
+    """AOTInductor on the folded decode layer (CPU, so the in-place twin stays an external op): the package
+    calls the twin once and holds no index_put, clone or copy: the caches are written in place, never
+    copied (the unfolded layer compiles to a cpp_fused_index_put kernel). Structure only: on the CPU the
+    other Triton ops compile to nothing (their interpreted launches are skipped while tracing)."""
+    import re
+    import zipfile
+    _, _, plain, folded, n = _attention_layer_programs(tiny_dev, "decode")
+    assert n == 1
+    srcs = {}
+    for name, ep in (("plain", plain), ("folded", folded)):
+        path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / f"{name}.pt2"))
+        with zipfile.ZipFile(path) as z:
+            srcs[name] = "\n".join(z.read(f).decode() for f in z.namelist() if f.endswith(".cpp"))
+    assert re.search(r"cpp_fused_index_put", srcs["plain"]), "the unfolded layer should write the KV rows itself"
+    calls = [ln for ln in srcs["folded"].splitlines() if "proxy_executor_call_function(" in ln]
+    assert len(calls) == 1, calls                                                # the twin, once
+    assert not re.search(r"index_put|clone|copy_\(|aoti_torch_copy", srcs["folded"]), "a KV write or cache copy survived"
+
+
 AOTI_FOLD_SCRIPT = """
 import logging, sys, tempfile, torch
 sys.path.insert(0, {tests!r})
