@@ -47,11 +47,12 @@ def _h_tile(x, res, off, m2, DT: tl.constexpr):
 @triton.jit
 def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps, K: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
-                 DOT_F32: tl.constexpr, NORM: tl.constexpr):
+                 DOT_F32: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr):
     """y[:M, n-tile] = x[:M] @ w[n-tile].T; x and w contiguous along K.
     NORM (add_rms_norm_linear): the rows multiplied are rms_norm(x + res) * (1 + nw) instead of x, made from
     x and res by a prologue pass over K (the rows' statistics) and again per K tile; program 0 also writes
-    them (normed) and x + res (hout), rows of s_x_m. x and res are 2-8 KB per row, read from L2."""
+    them (normed) and x + res (hout), rows of s_x_m. x and res are 2-8 KB per row, read from L2.
+    KP: the prologue's row tile (M == 1: the whole row, next_pow2(K))."""
     pid = tl.program_id(0)
     DT: tl.constexpr = y.dtype.element_ty
     rn = pid * BN + tl.arange(0, BN)
@@ -60,19 +61,18 @@ def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps,
     rm = tl.arange(0, BM)
     mm = rm < M
     if NORM:                                         # inv = rsqrt(mean((x + res)^2) + eps) per row, fp32
-        if DOT:
-            ss = tl.zeros([BM, BK], tl.float32)
-        else:
-            ss = tl.zeros([BK], tl.float32)
-        for k0 in range(0, K, BK):
-            rk = k0 + tl.arange(0, BK)
-            off, m2 = _offsets(rm, mm, rk, rk < K, s_x_m, DOT)
-            h = _h_tile(x, res, off, m2, DT)
-            ss += h * h
-        if DOT:
+        if DOT:                                      # [BM, KP] tiles of at most 4096 elements
+            ss = tl.zeros([BM, KP], tl.float32)
+            for k0 in range(0, K, KP):
+                rk = k0 + tl.arange(0, KP)
+                off, m2 = _offsets(rm, mm, rk, rk < K, s_x_m, True)
+                h = _h_tile(x, res, off, m2, DT)
+                ss += h * h
             inv = tl.rsqrt(tl.sum(ss, axis=1) / K + tl.cast(eps, tl.float32))   # [BM]; AOTI passes floats as fp64
-        else:
-            inv = tl.rsqrt(tl.sum(ss, axis=0) / K + tl.cast(eps, tl.float32))
+        else:                                        # the whole row in one load: one L2 round trip, not K / BK
+            rk = tl.arange(0, KP)
+            h = _h_tile(x, res, rk, rk < K, DT)
+            inv = tl.rsqrt(tl.sum(h * h, axis=0) / K + tl.cast(eps, tl.float32))
     if DOT:
         acc = tl.zeros([BM, BN], tl.float32)
     else:
@@ -141,7 +141,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, int] | None
         normed, h = torch.empty_like(x), torch.empty_like(x)
     launch(_gemv_kernel, (triton.cdiv(N, bn),), x, w, y, M, N, x.stride(0), w.stride(0), y.stride(0),
            res, nw, normed, h, eps, K=K, BM=1 if M == 1 else 16, BN=bn, BK=bk, DOT=M > 1,
-           DOT_F32=INTERPRETED, NORM=norm is not None, num_warps=warps, num_stages=stages)
+           DOT_F32=INTERPRETED, NORM=norm is not None, KP=triton.next_power_of_2(K) if M == 1 else min(256, bk),
+           num_warps=warps, num_stages=stages)
     return y if norm is None else (y, normed, h)
 
 
