@@ -74,6 +74,22 @@ def test_greedy_identical_128_tokens(engines, tiny_eager):
     assert max(accepted) < K            # and some are rejected
 
 
+def test_rounds_are_the_eager_reference_rounds(engines):
+    """The artifact's rounds draft what the eager one-slot reference (graphs/spec.py generate_spec) drafts: the
+    same number of rounds and accepted drafts, with the prompt prefilled in three 16-token chunks (the head
+    catches up chunk by chunk in the graphs, over the whole prompt at once in the reference)."""
+    from onegraph.graphs.load import load_model
+    from onegraph.graphs.spec import generate_spec
+    on, _ = engines
+    model = load_model("tiny", mtp=True)[1]
+    p = heldout_prompts(3, 40)[1]
+    ref = generate_spec(model, p, 64, K)
+    r = on.generate(p, 64)
+    assert r.token_ids == ref.token_ids
+    assert r.speculation["rounds"] == len(ref.accepted)
+    assert r.speculation["accepted_mean"] == pytest.approx(ref.accepted_mean) and 0 < ref.accepted_mean < K
+
+
 def _solo(off, p, n, sp=Sampling()):
     return off.generate(p, n, sp.temperature, sp.top_k, sp.top_p, sp.seed).token_ids
 
