@@ -237,3 +237,28 @@ def test_batched_round_through_the_engine(trained, k):
     for (p, n, sp), r in zip(reqs, got):
         assert r.token_ids == generate_eager(trained, p, n, sp).token_ids
     assert 0 < s["accepted_drafts"] < s["rounds"] * k
+
+
+def test_verify_past_the_kv_cache_is_inert(model, ref):
+    """A verify whose last positions lie past the KV cache (start_pos + k >= Tmax, a request's last round)
+    writes those rows to the scratch slot: it raises nothing, and the in-cache targets and the slot's KV rows
+    equal those of the same verify with a longer cache."""
+    from onegraph.graphs.spec import verify
+    k, P = 4, len(PROMPT)
+    names = [t.name for t in model.state_spec(1, 1, torch.float32)]
+
+    def run(tmax):
+        state = new_state(model.cfg, 1, tmax, torch.float32)
+        sp, slot = Sampling().tensors(1, "cpu"), i64([0], "cpu")
+        model.prefill(i64(PROMPT, "cpu"), slot, i64([0], "cpu"), i64([P], "cpu"), *sp, *state)
+        targets, *_ = verify(model, i64([ref[0]], "cpu"), i64(ref[1:k + 1], "cpu"), slot, i64([P], "cpu"), *sp,
+                             *state)
+        return targets, state
+
+    t_long, st_long = run(P + 16)
+    t_short, st_short = run(P + 2)                       # rows P+2..P+4 past the cache
+    torch.testing.assert_close(t_short[:2], t_long[:2], rtol=0, atol=0)
+    assert t_long[:k].tolist() == ref[1:k + 1]
+    for name, a, b in zip(names, st_short, st_long):
+        if name.endswith(("k_cache", "v_cache")):
+            torch.testing.assert_close(a[0], b[0, :, :P + 2], rtol=1e-6, atol=1e-6)
