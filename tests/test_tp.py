@@ -481,7 +481,8 @@ def test_tp_follower_replays_the_leaders_captured_graph():
             return len(sent)
 
     def rank(r):
-        meta = {f"decode_b{B}": {"kind": "decode", "bucket": B}, "prefill_t16": {"kind": "prefill", "bucket": 16}}
+        meta = {f"decode_b{B}": {"kind": "decode", "bucket": B, "inputs": []},
+                "prefill_t16": {"kind": "prefill", "bucket": 16, "inputs": []}}
         ex = GraphExecutor({}, meta, [], max_slots=2, max_seq_len=64, vocab_size=8, device=torch.device("cpu"))
         cap, log = object.__new__(CapturedDecode), []
         cap.B, cap.copy_in, cap.flip = B, False, 0
