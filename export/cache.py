@@ -41,7 +41,9 @@ import torch
 from onegraph.runtime.artifact import sha256_file
 
 DEFAULT_DIR = Path.home() / ".cache" / "onegraph" / "aoti"
-KEY_VERSION = 1
+# 2: lower_aoti inlines the in-place twins (export/inplace.py) before compiling; a package compiled
+# from the same program without that pass calls the twin back through Python
+KEY_VERSION = 2
 
 
 @functools.lru_cache(maxsize=None)

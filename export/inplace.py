@@ -14,11 +14,14 @@ into the functionalized call of the in-place twin, the form torch.export itself 
     y, conv', rec' = auto_functionalized_v2(onegraph.gdn_decode_step_norm_inplace_triton, ..., _all_bases=[conv, rec])
 
 conv' and rec' take the index_copy results' place (the graph's input-mutation outputs). The value is the
-same by the op's contract (rows at `slots` replaced, the rest kept), and AOTInductor re-inplaces an
-auto-functionalized op whose mutated bases are graph inputs that the graph mutates anyway: the kernel
-writes the state rows in place, no clone, no copy. Only that exact pattern is rewritten (the state a
-graph input, both new-row outputs used only by their index_copy at the op's own slots); anything else,
-e.g. speculative verify's per-position snapshots, keeps the functional op.
+same by the op's contract (rows at `slots` replaced, the rest kept). Only that exact pattern is rewritten
+(the state a graph input, both new-row outputs used only by their index_copy at the op's own slots);
+anything else, e.g. speculative verify's per-position snapshots, keeps the functional op.
+
+The program stays functional and serialisable this way, but AOTAutograd keeps an auto-functionalized op
+opaque: compiled as is, the twin would be an external op called back through Python. So lower_aoti
+(export/aoti.py) runs `inline_inplace_twins` as Inductor's pre-grad pass: the twin called directly on the
+state inputs, which AOTAutograd traces to its kernel and Inductor re-inplaces (docs/design.md).
 """
 from __future__ import annotations
 
@@ -106,3 +109,75 @@ def fold_state_writes(ep: torch.export.ExportedProgram) -> int:
         graph.lint()
         gm.recompile()
     return folded
+
+
+def _is_triton_twin(op) -> bool:
+    """A onegraph Triton op (torch.library.triton_op): its Python body only launches kernels, so AOTAutograd
+    can trace it to them when it meets the op itself (not wrapped in auto_functionalized)."""
+    return isinstance(op, torch._ops.OpOverload) and op.namespace == "onegraph" and op._opname.endswith("_triton")
+
+
+def inline_inplace_twins(graph: torch.fx.Graph) -> int:
+    """Inductor pre-grad pass for AOTInductor (export/aoti.py): `auto_functionalized_v2(twin, ..., _all_bases=[x, ..])`
+    whose bases are graph inputs that are only copied back (`x.copy_(new_x)`, the unlifted program's input
+    mutation) becomes the twin called on the inputs themselves. Returns how many were inlined.
+
+    Why: AOTAutograd keeps an auto-functionalized op opaque, so Inductor would lower the twin as an external
+    op, called back through Python on every run (AOTInductor's proxy executor). Called directly, AOTAutograd
+    functionalizes the triton_op into its kernel launch, and Inductor re-inplaces the kernel on the inputs
+    it mutates anyway: one kernel, no clone, no copy-back. Same value: the bases are read by nothing else,
+    and whoever read the new values reads the inputs, now written in place, at the same point."""
+    inlined = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not auto_functionalized_v2 or not _is_triton_twin(node.args[0]):
+            continue
+        op, kw = node.args[0], dict(node.kwargs)
+        schema = op._schema
+        mutable = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        bases = kw.get("_all_bases", [])
+        view_keys = [k for k in kw if k.startswith("_") and k not in ("_all_bases",)
+                     and not k.endswith("_base_index")]
+        if view_keys or any(kw.get(f"_{m}_base_index") is None for m in mutable):
+            continue                                     # a mutated arg that is a view of its base: leave it
+        if not all(isinstance(b, torch.fx.Node) and b.op == "placeholder" for b in bases):
+            continue
+        n_out = len(schema.returns)
+        items = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+        if len(items) != len(node.users):
+            continue
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        write_backs = []
+        for i, b in enumerate(bases):
+            new = items.get(n_out + i)
+            # reads of the old value before the op (shape guards) stay valid; nothing may read it after
+            copies = [u for u in b.users if u is not node and order[u] > order[node]]
+            ok = (new is not None and len(copies) == 1 and copies[0].target is torch.ops.aten.copy_.default
+                  and tuple(copies[0].args) == (b, new) and not copies[0].users)
+            if not ok:
+                break
+            write_backs.append(copies[0])
+        else:
+            args = [bases[kw[f"_{a.name}_base_index"]] if a.name in mutable else kw[a.name] for a in schema.arguments]
+            with graph.inserting_before(node):
+                call = graph.call_function(op, tuple(args))
+            call.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+            for w in write_backs:
+                graph.erase_node(w)
+            for idx, item in list(items.items()):
+                if idx < n_out:
+                    if n_out == 1:
+                        call.meta["val"] = item.meta.get("val")
+                        item.replace_all_uses_with(call)
+                    else:
+                        with graph.inserting_after(call):
+                            item.replace_all_uses_with(graph.call_function(operator.getitem, (call, idx)))
+                else:
+                    item.replace_all_uses_with(bases[idx - n_out])
+                graph.erase_node(item)
+            graph.erase_node(node)
+            inlined += 1
+    if inlined:
+        graph.lint()
+        if graph.owning_module is not None:
+            graph.owning_module.recompile()
+    return inlined

@@ -15,7 +15,7 @@ from triton_env import DEVICE, needs_triton
 
 from onegraph.custom_ops import PYTHON_CALLS, decompositions
 from onegraph.export.entry import dynamic_shapes, entry_module, example_inputs, graph_spec
-from onegraph.export.inplace import fold_state_writes
+from onegraph.export.inplace import fold_state_writes, inline_inplace_twins
 from onegraph.export.inplace_kv import fold_kv_writes
 from onegraph.export.trace import check_lowered
 from onegraph.graphs.load import load_model
@@ -46,7 +46,10 @@ def executors():
             assert kind != "decode" or "aten::index_copy" not in hist, hist
             assert "aten::index_put" not in hist, hist
             assert not any(n.startswith("onegraph::") and not n.endswith("_triton") for n in hist), hist
-            graphs[spec.name] = (lambda f: lambda inputs: f(*inputs))(ep.module())
+            gm = ep.module()
+            inline_inplace_twins(gm.graph)      # the graph AOTInductor compiles: twins called on the state inputs
+            assert "auto_functionalized" not in gm.code, gm.code
+            graphs[spec.name] = (lambda f: lambda inputs: f(*inputs))(gm)
             meta[spec.name] = spec.manifest()
     state = meta["decode_b1"]["inputs"][-len(model.cfg.layer_types) * 2:]
     lowered = GraphExecutor(graphs, meta, state, 1, MAX_SEQ, model.cfg.vocab_size, torch.device(DEVICE))

@@ -73,9 +73,6 @@ def _gdn_decode_norm_kernel(
     XDT: tl.constexpr = qkv.dtype.element_ty
 
     slot = tl.load(slots + i_b)                                            # int64: 64-bit offsets
-    row = i_b.to(tl.int64)                                                 # the output row: b, or
-    if IN_PLACE:                                                           # the state's own row
-        row = slot
     x_row = qkv + i_b * s_qkv_b
     cs_row = conv_state + slot * s_cs_s
 
@@ -142,11 +139,21 @@ def _gdn_decode_norm_kernel(
         tl.debug_barrier()                   # all of this block's loads are done before any row is overwritten
     tl.store(y + i_b * s_y_b + heads[:, None] * s_y_h + offs_v[None, :] * s_y_v, to_dt(yv, y.dtype.element_ty),
              mask=m2)
-    nc_row = new_conv + row * s_nc_b
-    _store_window(nc_row, s_nc_c, s_nc_w, win_q, ch_q, mk, W, WP)
-    _store_window(nc_row, s_nc_c, s_nc_w, win_k, ch_k, mk, W, WP)
-    _store_window(nc_row, s_nc_c, s_nc_w, win_v, ch_v, m_rv, W, WP)
-    tl.store(new_rec + row * s_nr_b + (hk * REP + r3) * s_nr_h + k3 * s_nr_k + v3 * s_nr_v, S, mask=m3)
+    if IN_PLACE:
+        # through the state's own pointers at its row `slot` (new_conv / new_rec are never touched: the launcher
+        # passes the state's strides as theirs, and those recompute the addresses: reusing the load's would keep
+        # them live next to S and spill)
+        nc_row = conv_state + slot * s_nc_b
+        _store_window(nc_row, s_nc_c, s_nc_w, win_q, ch_q, mk, W, WP)
+        _store_window(nc_row, s_nc_c, s_nc_w, win_k, ch_k, mk, W, WP)
+        _store_window(nc_row, s_nc_c, s_nc_w, win_v, ch_v, m_rv, W, WP)
+        tl.store(rec_state + slot * s_nr_b + (hk * REP + r3) * s_nr_h + k3 * s_nr_k + v3 * s_nr_v, S, mask=m3)
+    else:          # into the new rows, at row b
+        nc_row = new_conv + i_b * s_nc_b
+        _store_window(nc_row, s_nc_c, s_nc_w, win_q, ch_q, mk, W, WP)
+        _store_window(nc_row, s_nc_c, s_nc_w, win_k, ch_k, mk, W, WP)
+        _store_window(nc_row, s_nc_c, s_nc_w, win_v, ch_v, m_rv, W, WP)
+        tl.store(new_rec + i_b * s_nr_b + (hk * REP + r3) * s_nr_h + k3 * s_nr_k + v3 * s_nr_v, S, mask=m3)
 
 
 def _launch(qkv, a, b, z, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, norm_weight, num_k_heads,
@@ -196,6 +203,9 @@ def gdn_decode_step_norm_inplace_triton(qkv: torch.Tensor, a: torch.Tensor, b: t
     B = qkv.shape[0]
     _, HV, _, V = rec_state.shape
     y = qkv.new_empty((B, HV, V))
+    # in place the kernel reads and writes through conv_state / rec_state and never touches new_conv / new_rec
+    # (passed only for their strides), so Inductor's analysis sees each state tensor read and written through
+    # one argument
     _launch(qkv, a, b, z, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, norm_weight, num_k_heads, eps,
             y, conv_state, rec_state, in_place=True)
     return y
