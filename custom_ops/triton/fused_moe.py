@@ -2,10 +2,11 @@
 
 Input logits [T, E + 1] (x.dtype): the router logits and the shared expert's gate logit, projected by the
 caller (at decode the GEMV that also applies the post-attention norm, custom_ops/triton/linear.py).
-Routing (`_route_row`: fp32 softmax, top-k, renormalise) is recomputed by every program of both kernels
-from the E logits (a 512-byte L2 read and k max-scans): that is cheaper than its own kernel launch (3.6 us
-per layer at the 35B bs1 step on the H200, where aten's topk alone had taken 0.39 of a 4.26 ms step).
-The prefill path runs it once, as `_route_kernel`.
+Routing needs no launch of its own (3.6 us per layer at the 35B bs1 step on the H200, where aten's topk
+alone had taken 0.39 of a 4.26 ms step): every routed program of kernel 1 finds its own expert from the E
+logits (`_route_nth`: a 512-byte L2 read and j + 1 max-scans for rank j), and the token's shared-expert
+program (which needs no routing to start) writes the whole routing (`_route_row`: fp32 softmax, top-k,
+renormalise) after its own work, for kernel 2 to load. The prefill path runs it once, as `_route_kernel`.
 Ties matter: the 35B random router's 8th and 9th bf16 logits are equal in 8 % of layer-tokens (H200,
 8 bs8 eager steps). CUDA torch.topk keeps the lowest indices among values equal to the k-th (H200:
 2000 of 2000 tied rows), and so does `_route_row` (it takes the largest logit, lowest index first, k
@@ -146,7 +147,7 @@ def _swiglu_rows(x_row, sx_h, wg, sg_r, sg_h, wu, su_r, su_h, rows, mrow, H: tl.
 
 
 @triton.jit
-def _moe_swiglu_kernel(x, logits, gate_up, sh_gate, sh_up, act, act_sh,
+def _moe_swiglu_kernel(x, logits, gate_up, sh_gate, sh_up, act, act_sh, route_w, route_i,
                        s_x_t, s_x_h, s_l_t, s_gu_e, s_gu_r, s_gu_h, s_sg_r, s_sg_h, s_su_r, s_su_h,
                        P, H: tl.constexpr, I: tl.constexpr, Is: tl.constexpr, E: tl.constexpr, BE: tl.constexpr,
                        TOPK: tl.constexpr, BKK: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr):
@@ -168,10 +169,17 @@ def _moe_swiglu_kernel(x, logits, gate_up, sh_gate, sh_up, act, act_sh,
         a = _swiglu_rows(x + t * s_x_t, s_x_h, sh_gate, s_sg_r, s_sg_h, sh_up, s_su_r, s_su_h,
                          rows, mrow, H, DT, BI, BH)
         tl.store(act_sh + t * Is + rows, to_dt(a, DT), mask=mrow)
+        if it == 0:
+            # the token's routing for the down kernel, made after this program's own loads: the shared-expert
+            # programs need no routing and start first, so this costs no routed program any latency
+            top_w, top_i = _route_row(logits, t, s_l_t, E, BE, TOPK, BKK)
+            ks = tl.arange(0, BKK)
+            tl.store(route_w + t * TOPK + ks, top_w, mask=ks < TOPK)
+            tl.store(route_i + t * TOPK + ks, top_i, mask=ks < TOPK)
 
 
 @triton.jit
-def _moe_down_kernel(logits, down, sh_down, act, act_sh, y,
+def _moe_down_kernel(logits, down, sh_down, act, act_sh, route_w, route_i, y,
                      s_l_t, s_d_e, s_d_h, s_d_i, s_sd_h, s_sd_i, s_y_t, s_y_h,
                      H: tl.constexpr, I: tl.constexpr, Is: tl.constexpr, E: tl.constexpr, BE: tl.constexpr,
                      TOPK: tl.constexpr, BKK: tl.constexpr, BH: tl.constexpr, BI: tl.constexpr):
@@ -182,7 +190,7 @@ def _moe_down_kernel(logits, down, sh_down, act, act_sh, y,
     rows = ih * BH + tl.arange(0, BH)
     mrow = rows < H
 
-    # the shared expert first: its loads need no routing, so they are in flight while the routing reduces
+    # the shared expert first: its loads do not wait for the routing's
     acc = tl.zeros([BH, BI], tl.float32)
     for i0 in range(0, Is, BI):
         offs_i = i0 + tl.arange(0, BI)
@@ -194,9 +202,10 @@ def _moe_down_kernel(logits, down, sh_down, act, act_sh, y,
     shared = rnd(tl.sum(acc, axis=1), RT)
 
     # the k experts side by side: one [BKK, BH, BI] tile of down per step keeps k times the bytes in flight
-    top_w, top_i = _route_row(logits, t, s_l_t, E, BE, TOPK, BKK)      # [BKK] fp32, int64 (lanes >= k: 0)
     ks = tl.arange(0, BKK)
     mk = ks < TOPK
+    top_w = tl.load(route_w + t * TOPK + ks, mask=mk, other=0.0)       # [BKK] fp32: kernel 1's routing
+    top_i = tl.load(route_i + t * TOPK + ks, mask=mk, other=0)          # [BKK] int64 (lanes >= k: 0)
     wt = rnd(top_w, DT)                              # the reference's weights are cast to x.dtype
     acc = tl.zeros([BKK, BH, BI], tl.float32)
     for i0 in range(0, I, BI):
@@ -242,18 +251,20 @@ def fused_moe_triton(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tenso
     P = T * top_k
     act = torch.empty((P, I), dtype=x.dtype, device=x.device)
     act_sh = torch.empty((T, Is), dtype=x.dtype, device=x.device)
+    route_w = torch.empty((T, top_k), dtype=torch.float32, device=x.device)    # kernel 1 -> kernel 2
+    route_i = torch.empty((T, top_k), dtype=torch.int64, device=x.device)
     y = torch.empty((T, H), dtype=out_dtype, device=x.device)
     BI = min(BI1, next_pow2(max(I, Is)))
     BH = min(BH1, next_pow2(H))
     route = dict(E=E, BE=next_pow2(E), TOPK=top_k, BKK=next_pow2(top_k))
     launch(_moe_swiglu_kernel, (P + T, triton.cdiv(max(I, Is), BI)),
-           x, logits, gate_up, shared_gate, shared_up, act, act_sh,
+           x, logits, gate_up, shared_gate, shared_up, act, act_sh, route_w, route_i,
            *x.stride(), logits.stride(0), *gate_up.stride(), *shared_gate.stride(), *shared_up.stride(),
            P, H=H, I=I, Is=Is, BI=BI, BH=BH, num_warps=W1, **route)
     BHo = min(BH2, next_pow2(H))
     BIo = min(BI2, next_pow2(max(I, Is)))
     launch(_moe_down_kernel, (T, triton.cdiv(H, BHo)),
-           logits, down, shared_down, act, act_sh, y,
+           logits, down, shared_down, act, act_sh, route_w, route_i, y,
            logits.stride(0), *down.stride(), *shared_down.stride(), *y.stride(),
            H=H, I=I, Is=Is, BH=BHo, BI=BIo, num_warps=W2, **route)
     return y
