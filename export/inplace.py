@@ -143,8 +143,8 @@ def inline_inplace_twins(graph: torch.fx.Graph) -> int:
             continue
         n_out = len(schema.returns)
         items = {u.args[1]: u for u in node.users if u.target is operator.getitem}
-        if len(items) != len(node.users):
-            continue
+        if n_out != 1 or len(items) != len(node.users):
+            continue                                     # the twins return one tensor
         order = {n: i for i, n in enumerate(graph.nodes)}
         write_backs = []
         for i, b in enumerate(bases):
@@ -164,15 +164,11 @@ def inline_inplace_twins(graph: torch.fx.Graph) -> int:
             for w in write_backs:
                 graph.erase_node(w)
             for idx, item in list(items.items()):
-                if idx < n_out:
-                    if n_out == 1:
-                        call.meta["val"] = item.meta.get("val")
-                        item.replace_all_uses_with(call)
-                    else:
-                        with graph.inserting_after(call):
-                            item.replace_all_uses_with(graph.call_function(operator.getitem, (call, idx)))
-                else:
-                    item.replace_all_uses_with(bases[idx - n_out])
+                if idx == 0:                             # the twin's output
+                    call.meta["val"] = item.meta.get("val")
+                    item.replace_all_uses_with(call)
+                else:                                    # a base's new value: the base itself, written in place
+                    item.replace_all_uses_with(bases[idx - 1])
                 graph.erase_node(item)
             graph.erase_node(node)
             inlined += 1

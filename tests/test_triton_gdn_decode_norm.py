@@ -282,3 +282,33 @@ def test_aoti_pre_grad_pass_calls_the_twin_on_the_inputs():
         close(gm(*direct), ref, 1e-4, f"step {step} y")
         close(direct[1], eager[1], 0.0, f"step {step} conv state")
         close(direct[2], eager[2], 1e-4, f"step {step} recurrent state")
+
+
+class _ReadsOldState(_GdnDecode):
+    """Reads the old recurrent state after the op, before its write-back: inlining would change that value."""
+
+    def forward(self, fused, conv, rec, slots, conv_w, A_log, dt_bias, norm_w):
+        qkv, z, b, a = fused.split(self.sizes, dim=-1)
+        y, new_conv, new_rec = ops.gdn_decode_step_norm(qkv, a, b, z, conv, rec, slots, conv_w, A_log, dt_bias,
+                                                        norm_w, self.HK, 1e-6)
+        old = rec.sum()
+        conv.index_copy_(0, slots, new_conv)
+        rec.index_copy_(0, slots, new_rec)
+        return y, old
+
+
+@needs_triton
+def test_inline_leaves_a_twin_whose_old_state_is_read_later():
+    from onegraph.custom_ops import decompositions
+    from onegraph.export.inplace import fold_state_writes, inline_inplace_twins
+    HK, HV, K, V = 2, 4, 16, 16
+    inputs = gdn_block_inputs(2, 4, HK, HV, K, V, torch.float32, 6)
+    ep = torch.export.export(_ReadsOldState(HK, HV, K, V), tuple(t.clone() for t in inputs), strict=False)
+    ep = ep.run_decompositions(decompositions("cuda"))
+    assert fold_state_writes(ep) == 1                  # still the same value: auto_functionalized reads a copy
+    gm = ep.module()
+    assert inline_inplace_twins(gm.graph) == 0
+    eager, lowered = [t.clone() for t in inputs], [t.clone() for t in inputs]
+    ref, got = _ReadsOldState(HK, HV, K, V)(*eager), gm(*lowered)
+    close(got[1], ref[1], 1e-3, "the old state's sum")
+    close(lowered[2], eager[2], 1e-4, "recurrent state")
