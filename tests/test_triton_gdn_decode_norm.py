@@ -202,10 +202,16 @@ def test_export_folds_the_state_write_back():
 
 
 AOTI_SCRIPT = """
-import re, sys, tempfile, zipfile, torch
+import logging, re, sys, tempfile, zipfile, torch
 sys.path.insert(0, {tests!r})
 import test_triton_gdn_decode_norm as t
 from onegraph.custom_ops import PYTHON_CALLS
+
+warnings = []
+class Catch(logging.Handler):
+    def emit(self, record):
+        warnings.append(record.getMessage())
+logging.getLogger("torch._higher_order_ops.triton_kernel_wrap").addHandler(Catch())
 
 HK, HV, K, V = 16, 32, 128, 128                  # Qwen3.5-35B-A3B's GDN layer, batch 1, 3 slots
 inputs = t.gdn_block_inputs(1, 3, HK, HV, K, V, torch.bfloat16, 0)
@@ -222,6 +228,8 @@ assert not [k for k in kernels if "index_copy" in k], f"a write-back kernel surv
 assert not [k for k in kernels if k.startswith("triton_")], f"Inductor glue kernels (copies of views or state): {{kernels}}"
 assert [k for k in kernels if k.startswith("_gdn_decode_norm_kernel")], f"the GDN kernel is not compiled in: {{kernels}}"
 assert "proxy_executor_call_function(" not in src, "an op is called back through Python (proxy executor)"
+assert not re.search(r"aoti_torch_clone|aoti_torch_copy_", src), "a copy of the state or of a view survived"
+assert not [w for w in warnings if "assuming every input is mutated" in w], warnings
 pkg = torch._inductor.aoti_load_package(path)
 eager, aoti = [x.clone() for x in inputs], [x.clone() for x in inputs]
 g = torch.Generator().manual_seed(1)
