@@ -63,16 +63,16 @@ def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps,
     if NORM:                                         # inv = rsqrt(mean((x + res)^2) + eps) per row, fp32
         if DOT:                                      # [BM, KP] tiles of at most 4096 elements
             ss = tl.zeros([BM, KP], tl.float32)
-            for k0 in range(0, K, KP):
-                rk = k0 + tl.arange(0, KP)
-                off, m2 = _offsets(rm, mm, rk, rk < K, s_x_m, True)
-                h = _h_tile(x, res, off, m2, DT)
-                ss += h * h
+            for p0 in range(0, K, KP):
+                pk = p0 + tl.arange(0, KP)
+                p_off, p_m = _offsets(rm, mm, pk, pk < K, s_x_m, True)
+                p_h = _h_tile(x, res, p_off, p_m, DT)
+                ss += p_h * p_h
             inv = tl.rsqrt(tl.sum(ss, axis=1) / K + tl.cast(eps, tl.float32))   # [BM]; AOTI passes floats as fp64
         else:                                        # the whole row in one load: one L2 round trip, not K / BK
-            rk = tl.arange(0, KP)
-            h = _h_tile(x, res, rk, rk < K, DT)
-            inv = tl.rsqrt(tl.sum(h * h, axis=0) / K + tl.cast(eps, tl.float32))
+            pk = tl.arange(0, KP)
+            p_h = _h_tile(x, res, pk, pk < K, DT)
+            inv = tl.rsqrt(tl.sum(p_h * p_h, axis=0) / K + tl.cast(eps, tl.float32))
     if DOT:
         acc = tl.zeros([BM, BN], tl.float32)
     else:
