@@ -36,8 +36,10 @@ def _silu_out(acc, WDT: tl.constexpr, ODT: tl.constexpr):
 
 @triton.jit
 def _conv_update_kernel(x, state, slots, w, y, new_state,
-                        s_x_b, s_x_c, s_s_s, s_s_c, s_s_k, s_w_c, s_w_k, C,
-                        W: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr):
+                        s_x_b, s_x_c, s_s_s, s_s_c, s_s_k, s_w_c, s_w_k, s_n_b, s_n_c, s_n_k, C,
+                        W: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr, IN_PLACE: tl.constexpr):
+    """IN_PLACE: new_state is the state itself and row slots[b] is overwritten (each channel is owned by one
+    program; a block barrier keeps every load of the row before any store); else new_state[b]."""
     b = tl.program_id(0)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     mc = offs_c < C
@@ -59,7 +61,12 @@ def _conv_update_kernel(x, state, slots, w, y, new_state,
     nxt = tl.load(state + slot * s_s_s + offs_c[:, None] * s_s_c + (out_k[None, :] + 1) * s_s_k,
                   mask=mc[:, None] & (out_k[None, :] + 1 < W - 1), other=0.0)
     nxt = tl.where(out_k[None, :] == W - 2, to_dt(xv, SDT)[:, None], nxt)
-    tl.store(new_state + (b * C + offs_c[:, None]) * (W - 1) + out_k[None, :], nxt,
+    if IN_PLACE:
+        tl.debug_barrier()                    # the shifted store crosses threads: every load of the row first
+        row = slot
+    else:
+        row = b
+    tl.store(new_state + row * s_n_b + offs_c[:, None] * s_n_c + out_k[None, :] * s_n_k, nxt,
              mask=mc[:, None] & (out_k[None, :] < W - 1))
 
 
@@ -116,10 +123,18 @@ def causal_conv_update_triton(x: torch.Tensor, conv_state: torch.Tensor, slots: 
     W = weight.shape[1]
     y = torch.empty((B, C), dtype=x.dtype, device=x.device)
     new_state = torch.empty((B, C, W - 1), dtype=conv_state.dtype, device=x.device)
+    run_update(x, conv_state, slots, weight, y, new_state)
+    return y, new_state
+
+
+def run_update(x, conv_state, slots, weight, y, new_state) -> None:
+    """The update launch: y [B, C] and the new rows, into new_state [B, C, W-1], or in place into conv_state's
+    rows at slots when new_state is conv_state (gdn_decode_step_norm's in-place twin)."""
+    B, C = x.shape
     BC = min(256, next_pow2(C))
     launch(_conv_update_kernel, (B, triton.cdiv(C, BC)), x, conv_state, slots, weight, y, new_state,
-           *x.stride(), *conv_state.stride(), *weight.stride(), C, W=W, BC=BC, BW=next_pow2(W), num_warps=4)
-    return y, new_state
+           *x.stride(), *conv_state.stride(), *weight.stride(), *new_state.stride(), C,
+           W=weight.shape[1], BC=BC, BW=next_pow2(weight.shape[1]), IN_PLACE=new_state is conv_state, num_warps=4)
 
 
 def run_prefill(x, conv_state, slot, n_valid, weight, block_t: int, block_c: int):

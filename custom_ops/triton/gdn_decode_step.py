@@ -55,7 +55,11 @@ def _gdn_decode_kernel(
         s_nc_b, s_nc_c, s_nc_w, s_nr_b, s_nr_h, s_nr_k, s_nr_v,
         q_scale,
         HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, REP: tl.constexpr,
-        W: tl.constexpr, WP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+        W: tl.constexpr, WP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        CONV_IN: tl.constexpr = False, REC_IN_PLACE: tl.constexpr = False):
+    """CONV_IN: qkv already holds conv + SiLU's output (causal_conv_update's y) and the conv state is not
+    touched; REC_IN_PLACE: new_rec is rec_state and row slots[b] is written (each state element is read and
+    written by the one thread that holds it)."""
     i_b = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -71,13 +75,18 @@ def _gdn_decode_kernel(
     mk = offs_k < K
     offs_v = i_v * BV + tl.arange(0, BV)
     mv = offs_v < V
-    write_qk = (i_h % REP == 0) & (i_v == 0)
-    q = _conv_silu(x_row, s_qkv_c, cs_row, s_cs_c, s_cs_w, conv_w, s_w_c, s_w_w, nc_row, s_nc_c, s_nc_w,
-                   hk * K + offs_k, mk, write_qk, W, WP, XDT)
-    k = _conv_silu(x_row, s_qkv_c, cs_row, s_cs_c, s_cs_w, conv_w, s_w_c, s_w_w, nc_row, s_nc_c, s_nc_w,
-                   HK * K + hk * K + offs_k, mk, write_qk, W, WP, XDT)
-    v = _conv_silu(x_row, s_qkv_c, cs_row, s_cs_c, s_cs_w, conv_w, s_w_c, s_w_w, nc_row, s_nc_c, s_nc_w,
-                   2 * HK * K + i_h * V + offs_v, mv, i_v >= 0, W, WP, XDT)   # every program stores its v
+    if CONV_IN:
+        q = tl.load(x_row + (hk * K + offs_k) * s_qkv_c, mask=mk, other=0.0).to(tl.float32)
+        k = tl.load(x_row + (HK * K + hk * K + offs_k) * s_qkv_c, mask=mk, other=0.0).to(tl.float32)
+        v = tl.load(x_row + (2 * HK * K + i_h * V + offs_v) * s_qkv_c, mask=mv, other=0.0).to(tl.float32)
+    else:
+        write_qk = (i_h % REP == 0) & (i_v == 0)
+        q = _conv_silu(x_row, s_qkv_c, cs_row, s_cs_c, s_cs_w, conv_w, s_w_c, s_w_w, nc_row, s_nc_c, s_nc_w,
+                       hk * K + offs_k, mk, write_qk, W, WP, XDT)
+        k = _conv_silu(x_row, s_qkv_c, cs_row, s_cs_c, s_cs_w, conv_w, s_w_c, s_w_w, nc_row, s_nc_c, s_nc_w,
+                       HK * K + hk * K + offs_k, mk, write_qk, W, WP, XDT)
+        v = _conv_silu(x_row, s_qkv_c, cs_row, s_cs_c, s_cs_w, conv_w, s_w_c, s_w_w, nc_row, s_nc_c, s_nc_w,
+                       2 * HK * K + i_h * V + offs_v, mv, i_v >= 0, W, WP, XDT)   # every program stores its v
     q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * tl.cast(q_scale, tl.float32)              # [BK]
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
 
@@ -97,7 +106,11 @@ def _gdn_decode_kernel(
     S = S + k[:, None] * delta[None, :]
     o = tl.sum(S * q[:, None], axis=0)                                       # [BV]
     tl.store(out + i_b * s_o_b + i_h * s_o_h + offs_v * s_o_v, to_dt(o, XDT), mask=mv)
-    tl.store(new_rec + i_b * s_nr_b + i_h * s_nr_h + offs_k[:, None] * s_nr_k + offs_v[None, :] * s_nr_v,
+    if REC_IN_PLACE:
+        rec_row = slot
+    else:
+        rec_row = i_b
+    tl.store(new_rec + rec_row * s_nr_b + i_h * s_nr_h + offs_k[:, None] * s_nr_k + offs_v[None, :] * s_nr_v,
              S, mask=m2)
 
 
@@ -119,6 +132,17 @@ def gdn_decode_step_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, 
     out = qkv.new_empty((B, HV, V))
     new_conv = conv_state.new_empty((B, C, W - 1))
     new_rec = rec_state.new_empty((B, HV, K, V))
+    run(qkv, a, b, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, num_k_heads, out, new_conv, new_rec)
+    return out, new_conv, new_rec
+
+
+def run(qkv, a, b, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, num_k_heads, out, new_conv, new_rec,
+        conv_in: bool = False) -> None:
+    """The step's launch into out [B, HV, V] and the new rows. conv_in: qkv is causal_conv_update's output
+    (the conv state untouched; new_conv unused). new_rec is rec_state: the rows at slots in place."""
+    B = qkv.shape[0]
+    _, HV, K, V = rec_state.shape
+    W = conv_weight.shape[1]
     BK, BV = next_pow2(K), block_v(B, HV, V)
     launch(_gdn_decode_kernel, (B, HV, triton.cdiv(V, BV)),
            qkv, a, b, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, out, new_conv, new_rec,
@@ -126,8 +150,7 @@ def gdn_decode_step_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, 
            *conv_weight.stride(), *out.stride(), *new_conv.stride(), *new_rec.stride(),
            float(K) ** -0.5,
            HK=num_k_heads, K=K, V=V, REP=HV // num_k_heads, W=W, WP=next_pow2(W), BK=BK, BV=BV,
-           num_warps=4 if BK * BV <= 4096 else 8)
-    return out, new_conv, new_rec
+           CONV_IN=conv_in, REC_IN_PLACE=new_rec is rec_state, num_warps=4 if BK * BV <= 4096 else 8)
 
 
 _registry.register_lowering("gdn_decode_step", "triton", torch.ops.onegraph.gdn_decode_step_triton.default)

@@ -40,7 +40,9 @@ def _rms_norm_kernel(x, res, w, y, s_out, sx_r, sx_n, sr_r, sr_n, sy_r, N, eps,
 
 @triton.jit
 def _gated_rms_norm_kernel(x, z, w, y, sx_r, sx_n, sz_r, sz_n, sy_r, N, eps,
-                           ROUND_MID: tl.constexpr, BN: tl.constexpr):
+                           ROUND_MID: tl.constexpr, BN: tl.constexpr, ZH: tl.constexpr = 1):
+    """Row r of x, y; z's row r is row r // ZH of z at column offset (r % ZH) * N (ZH > 1: z [B, ZH * N]
+    holds ZH heads per row, a strided view of a fused projection output that cannot be reshaped in place)."""
     r = tl.program_id(0)
     offs = tl.arange(0, BN)
     m = offs < N
@@ -50,7 +52,7 @@ def _gated_rms_norm_kernel(x, z, w, y, sx_r, sx_n, sz_r, sz_n, sy_r, N, eps,
     yv = tl.load(w + offs, mask=m, other=0.0).to(tl.float32) * yv          # weight * that, in
     if ROUND_MID:                                                           # promote(w, x) = x.dtype
         yv = rnd(yv, x.dtype.element_ty)
-    zf = tl.load(z + r * sz_r + offs * sz_n, mask=m, other=0.0).to(tl.float32)
+    zf = tl.load(z + (r // ZH) * sz_r + ((r % ZH) * N + offs) * sz_n, mask=m, other=0.0).to(tl.float32)
     tl.store(y + r * sy_r + offs, to_dt(yv * zf * tl.sigmoid(zf), y.dtype.element_ty), mask=m)
 
 
@@ -98,6 +100,15 @@ def gated_rms_norm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
     launch(_gated_rms_norm_kernel, (x2.shape[0],), x2, z2, weight, y, *x2.stride(), *z2.stride(), N, N, eps,
            ROUND_MID=torch.promote_types(weight.dtype, x.dtype) == x.dtype, BN=BN, num_warps=_warps(BN))
     return y
+
+
+def gated_rms_norm_heads(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, y: torch.Tensor) -> None:
+    """y [B, HV, V] (contiguous) = gated_rms_norm of o [B, HV, V] (contiguous) with the gate z [B, HV*V] (a
+    strided column view is read in place): gdn_decode_step_norm's output norm as its own launch."""
+    B, HV, V = o.shape
+    BN = next_pow2(V)
+    launch(_gated_rms_norm_kernel, (B * HV,), o, z, weight, y, V, 1, *z.stride(), V, V, eps,
+           ROUND_MID=torch.promote_types(weight.dtype, o.dtype) == o.dtype, BN=BN, ZH=HV, num_warps=_warps(BN))
 
 
 _registry.register_lowering("rms_norm", "triton", torch.ops.onegraph.rms_norm_triton.default)
