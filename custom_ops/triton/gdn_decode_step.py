@@ -56,7 +56,7 @@ def _gdn_decode_kernel(
         q_scale,
         HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, REP: tl.constexpr,
         W: tl.constexpr, WP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-        CONV_IN: tl.constexpr = False, REC_IN_PLACE: tl.constexpr = False):
+        CONV_IN: tl.constexpr, REC_IN_PLACE: tl.constexpr):
     """CONV_IN: qkv already holds conv + SiLU's output (causal_conv_update's y) and the conv state is not
     touched; REC_IN_PLACE: new_rec is rec_state and row slots[b] is written (each state element is read and
     written by the one thread that holds it)."""

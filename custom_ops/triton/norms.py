@@ -40,7 +40,7 @@ def _rms_norm_kernel(x, res, w, y, s_out, sx_r, sx_n, sr_r, sr_n, sy_r, N, eps,
 
 @triton.jit
 def _gated_rms_norm_kernel(x, z, w, y, sx_r, sx_n, sz_r, sz_n, sy_r, N, eps,
-                           ROUND_MID: tl.constexpr, BN: tl.constexpr, ZH: tl.constexpr = 1):
+                           ROUND_MID: tl.constexpr, BN: tl.constexpr, ZH: tl.constexpr):
     """Row r of x, y; z's row r is row r // ZH of z at column offset (r % ZH) * N (ZH > 1: z [B, ZH * N]
     holds ZH heads per row, a strided view of a fused projection output that cannot be reshaped in place)."""
     r = tl.program_id(0)
@@ -98,7 +98,7 @@ def gated_rms_norm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     BN = next_pow2(N)
     launch(_gated_rms_norm_kernel, (x2.shape[0],), x2, z2, weight, y, *x2.stride(), *z2.stride(), N, N, eps,
-           ROUND_MID=torch.promote_types(weight.dtype, x.dtype) == x.dtype, BN=BN, num_warps=_warps(BN))
+           ROUND_MID=torch.promote_types(weight.dtype, x.dtype) == x.dtype, BN=BN, ZH=1, num_warps=_warps(BN))
     return y
 
 
