@@ -320,3 +320,33 @@ def test_inline_leaves_a_twin_whose_old_state_is_read_later():
     ref, got = _ReadsOldState(HK, HV, K, V)(*eager), gm(*lowered)
     close(got[1], ref[1], 1e-3, "the old state's sum")
     close(lowered[2], eager[2], 1e-4, "recurrent state")
+
+
+@needs_triton
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_kernel", "split_launches"])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_both_paths_match_reference(fused, in_place):
+    """The launcher's two paths (the one-kernel (B, HK) grid, and conv update + step + norm as three launches,
+    which it takes below SPLIT_BELOW programs), each functional and in place, against the reference; the op
+    picks by B * HK, so the small shapes above exercise only the split path."""
+    from onegraph.custom_ops.triton import gdn_decode_step_norm as mod
+    B, S, HK, HV, K, V, W, slots = SHAPES[1]
+    for dtype in (torch.float32, torch.bfloat16):
+        args = make(B, S, HK, HV, K, V, W, dtype, 31, slots)
+        ry, rc, rr = reference_gdn_decode_step_norm(*args)
+        y = args[0].new_empty((B, HV, V))
+        conv, rec = args[4].clone(), args[5].clone()
+        if in_place:
+            nc, nr = conv, rec
+        else:
+            nc, nr = conv.new_empty((B, C_of(args), W - 1)), rec.new_empty((B, HV, K, V))
+        mod._launch(*args[:4], conv, rec, *args[6:], y, nc, nr, in_place=in_place, fused=fused)
+        close(y, ry, TOL[dtype], f"{dtype} y")
+        if in_place:
+            rc, rr = args[4].index_copy(0, args[6], rc), args[5].index_copy(0, args[6], rr)
+        close(nc, rc, 0.0, f"{dtype} conv rows")
+        close(nr, rr, REC_TOL[dtype], f"{dtype} rec rows")
+
+
+def C_of(args):
+    return args[0].shape[1]
