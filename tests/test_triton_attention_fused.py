@@ -11,7 +11,8 @@ against their pure-torch references, and the model-level guarantees around them.
   and Triton's fp32 sigmoid differ in the last bit: then one ulp).
 - the KV-cache writes folded into the norm + rope kernel (export/inplace_kv.py): the in-place twin
   equals the functional kernel + index_put bit for bit, and the folded exported layer (decode and
-  prefill) equals the unfolded one, caches included.
+  prefill), also after export/aoti.py's pre-grad pass calls the twin on the caches, equals the unfolded
+  one, caches included.
 - Qwen35Model.decode clamps positions once per step: a position past the KV cache writes (and reads)
   its last row, exactly as the per-layer clamp did, in eager and for every layer.
 Kernels run in Triton's CPU interpreter without a GPU (tests/triton_env.py); `cuda` tests at
@@ -274,32 +275,32 @@ def test_fold_kv_writes_whole_decode_graph(tiny_dev):
 
 
 @needs_triton
-@pytest.mark.skipif(DEVICE == "cuda", reason="CPU only: on a GPU test_fold_kv_writes_aoti checks the compiled kernel")
-def test_cpu_aoti_package_reinplaces_the_kv_fold(tiny_dev, tmp_path):
-    """AOTInductor on the folded decode layer (CPU, so the in-place twin stays an external op): the package
-    calls the twin once and holds no index_put, clone or copy: the caches are written in place, never
-    copied (the unfolded layer compiles to a cpp_fused_index_put kernel). Structure only: on the CPU the
-    other Triton ops compile to nothing (their interpreted launches are skipped while tracing)."""
-    import re
-    import zipfile
-    _, _, plain, folded, n = _attention_layer_programs(tiny_dev, "decode")
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_pre_grad_pass_calls_the_kv_twin_on_the_caches(tiny_dev, kind):
+    """export/aoti.py's pre-grad pass (the graph AOTInductor compiles) turns the folded layer's
+    auto-functionalized twin into a direct call on the cache inputs: nothing auto-functionalized, no
+    copy-back, no index_put left; it writes the caches in place and equals the unfolded program bit for bit."""
+    from onegraph.export.inplace import inline_inplace_twins
+    _, inputs, plain, folded, n = _attention_layer_programs(tiny_dev, kind)
     assert n == 1
-    srcs = {}
-    for name, ep in (("plain", plain), ("folded", folded)):
-        path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / f"{name}.pt2"))
-        with zipfile.ZipFile(path) as z:
-            srcs[name] = "\n".join(z.read(f).decode() for f in z.namelist() if f.endswith(".cpp"))
-    assert re.search(r"cpp_fused_index_put", srcs["plain"]), "the unfolded layer should write the KV rows itself"
-    calls = [ln for ln in srcs["folded"].splitlines() if "proxy_executor_call_function(" in ln]
-    assert len(calls) == 1, calls                                                # the twin, once
-    assert not re.search(r"index_put|clone|copy_\(|aoti_torch_copy", srcs["folded"]), "a KV write or cache copy survived"
+    gm = folded.module()
+    assert inline_inplace_twins(gm.graph) == 1
+    targets = [str(t.target) for t in gm.graph.nodes if t.op == "call_function"]
+    assert targets.count("onegraph.qk_norm_rope_kv_inplace_triton.default") == 1, targets
+    assert not [t for t in targets if "auto_functionalized" in t or "copy" in t or "index_put" in t], targets
+    a, b = [t.clone() for t in inputs], [t.clone() for t in inputs]
+    with torch.no_grad():
+        want, got = plain.module()(*a), gm(*b)
+    assert torch.equal(got, want)
+    assert torch.equal(b[4], a[4]) and torch.equal(b[5], a[5]), "KV caches differ from the unfolded program"
 
 
 AOTI_FOLD_SCRIPT = """
-import logging, sys, tempfile, torch
+import logging, re, sys, tempfile, zipfile, torch
 sys.path.insert(0, {tests!r})
 import test_triton_attention_fused as t
 from onegraph.custom_ops import PYTHON_CALLS
+from onegraph.export.inplace import InlineInplaceTwins
 from onegraph.graphs.load import load_model
 
 warnings = []
@@ -311,8 +312,19 @@ model = load_model("tiny", "bfloat16", "cuda")[1]
 for kind in ("decode", "prefill"):
     layer, inputs, plain, folded, n = t._attention_layer_programs(model, kind)
     assert n == 1, n
-    path = torch._inductor.aoti_compile_and_package(folded, package_path=tempfile.mkdtemp() + "/f.pt2")
+    # as export/aoti.py lowers (its pre-grad pass calls the twin on the caches), weights kept in the package
+    cfg = {{"pre_grad_custom_pass": InlineInplaceTwins(), "emulate_precision_casts": True}}
+    path = torch._inductor.aoti_compile_and_package(folded, package_path=tempfile.mkdtemp() + "/f.pt2",
+                                                    inductor_configs=cfg)
     assert not [w for w in warnings if "assuming every input is mutated" in w], warnings
+    src = "\\n".join(zipfile.ZipFile(path).read(f).decode(errors="ignore")
+                     for f in zipfile.ZipFile(path).namelist() if f.endswith(".cpp"))
+    kernels = sorted(set(re.findall(r"\\b(triton_[a-z]+_fused\\w*|_qk_norm_rope_kernel\\w*)", src)))
+    print(kind, "kernels:", kernels)
+    assert [k for k in kernels if k.startswith("_qk_norm_rope_kernel")], kernels
+    assert not [k for k in kernels if "index_put" in k], f"a KV write kernel survived: {{kernels}}"
+    assert "proxy_executor_call_function(" not in src, "an op is called back through Python (proxy executor)"
+    assert not re.search(r"aoti_torch_clone|aoti_torch_copy_", src), "a copy of a cache survived"
     pkg = torch._inductor.aoti_load_package(path)
     a, b = [x.clone() for x in inputs], [x.clone() for x in inputs]
     before = dict(PYTHON_CALLS)
@@ -332,8 +344,9 @@ print("AOTI FOLD OK")
 @pytest.mark.cuda
 @pytest.mark.skipif(not (DEVICE == "cuda" and HAVE_TRITON), reason="needs a CUDA device and triton")
 def test_fold_kv_writes_aoti(tmp_path):
-    """The folded attention layer (bf16 tiny, decode and prefill) compiled by AOTInductor: Inductor's
-    mutation analysis understood the in-place twin (no 'assuming every input is mutated'), the package
+    """The folded attention layer (bf16 tiny, decode and prefill) compiled by AOTInductor with export's
+    pre-grad pass: the twin's kernel is compiled in, no KV-write kernel, no Python callback, no cache copy;
+    Inductor's mutation analysis understood the kernel (no 'assuming every input is mutated'); the package
     writes the caches in place and equals the unfolded program bit for bit. A subprocess: on the H200
     image loading a package segfaults unless LD_PRELOAD names the system libstdc++ (docs/design.md)."""
     import os
