@@ -194,10 +194,10 @@ def test_quant_with_onnx_is_refused_before_anything_runs(ct_dirs, tmp_path):
 
 # ---------------------------------------------------------------- accuracy
 
-# bits/byte over the first 2048 held-out tokens, trained tiny, fp32 eager: quantized minus float. Bounds
-# from benchmarks/quant_accuracy.json (int8 +0.0016, fp8-channel +0.011, fp8 block +0.0016 on the full text)
-# with room for the shorter text.
-BPB_BOUND = {"int8": 0.01, "fp8-channel": 0.03}
+# bits/byte over the first 2048 held-out tokens, trained tiny, fp32 eager, compressed-tensors checkpoint minus
+# float: measured int8 +0.0018, fp8-channel +0.0049 (bf16 over the whole text: benchmarks/quant_accuracy.json);
+# the bounds leave about 3x.
+BPB_BOUND = {"int8": 0.006, "fp8-channel": 0.015}
 
 
 def test_accuracy_bounds_bits_per_byte(ct_dirs):
