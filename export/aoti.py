@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch._inductor import aoti_compile_and_package
 
-from .inplace import inline_inplace_twins
+from .inplace import InlineInplaceTwins
 
 INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
 
@@ -22,5 +22,5 @@ def lower_aoti(ep: torch.export.ExportedProgram, out: Path, eager_rounding: bool
     precise, but measured on `tiny` bf16 the first token already differed from eager (logits off by
     1.36 vs 0.035 with it), so parity with the eager reference needs it."""
     # the in-place twins export put in (export/inplace.py) are called directly, so they compile to their kernels
-    cfg = dict(INDUCTOR_CONFIGS, emulate_precision_casts=eager_rounding, pre_grad_custom_pass=inline_inplace_twins)
+    cfg = dict(INDUCTOR_CONFIGS, emulate_precision_casts=eager_rounding, pre_grad_custom_pass=InlineInplaceTwins())
     return Path(aoti_compile_and_package(ep, package_path=str(out), inductor_configs=cfg))
