@@ -213,37 +213,41 @@ class Catch(logging.Handler):
         warnings.append(record.getMessage())
 logging.getLogger("torch._higher_order_ops.triton_kernel_wrap").addHandler(Catch())
 
-HK, HV, K, V = 16, 32, 128, 128                  # Qwen3.5-35B-A3B's GDN layer, batch 1, 3 slots
-inputs = t.gdn_block_inputs(1, 3, HK, HV, K, V, torch.bfloat16, 0)
-ep, folded, hist = t.export_gdn_block(inputs, HK, HV, K, V)
-assert folded == 1, hist
+HK, HV, K, V = 16, 32, 128, 128                  # Qwen3.5-35B-A3B's GDN layer
 from pathlib import Path
 from onegraph.export.aoti import lower_aoti
-path = str(lower_aoti(ep, Path(tempfile.mkdtemp()) / "gdn.pt2"))
-z = zipfile.ZipFile(path)
-src = "\\n".join(z.read(n).decode(errors="ignore") for n in z.namelist() if n.endswith(".cpp"))
-kernels = sorted(set(re.findall(r"\\b(triton_[a-z]+_fused\\w*|_gdn_decode_norm_kernel\\w*)", src)))
-print("kernels:", kernels)
-assert not [k for k in kernels if "index_copy" in k], f"a write-back kernel survived: {{kernels}}"
-assert not [k for k in kernels if k.startswith("triton_")], f"Inductor glue kernels (view or state copies): {{kernels}}"
-assert [k for k in kernels if k.startswith("_gdn_decode_norm_kernel")], f"GDN kernel not compiled in: {{kernels}}"
-assert "proxy_executor_call_function(" not in src, "an op is called back through Python (proxy executor)"
-assert not re.search(r"aoti_torch_clone|aoti_torch_copy_", src), "a copy of the state or of a view survived"
-assert not [w for w in warnings if "assuming every input is mutated" in w], warnings
-pkg = torch._inductor.aoti_load_package(path)
-eager, aoti = [x.clone() for x in inputs], [x.clone() for x in inputs]
-g = torch.Generator().manual_seed(1)
-for step in range(3):
-    x = torch.randn(inputs[0].shape, generator=g).to(torch.bfloat16).cuda()
-    eager[0], aoti[0] = x, x.clone()
-    ref = t._GdnDecode(HK, HV, K, V)(*eager)
-    before = dict(PYTHON_CALLS)
-    got = pkg(*aoti)
-    torch.cuda.synchronize()
-    assert dict(PYTHON_CALLS) == before, "Python reference called from the package"
-    t.close(got[0] if isinstance(got, (list, tuple)) else got, ref, 3.2e-2, f"step {{step}} y")
-    t.close(aoti[1], eager[1], 0.0, f"step {{step}} conv state")
-    t.close(aoti[2], eager[2], 3e-3, f"step {{step}} recurrent state")
+# the launcher's two paths (custom_ops/triton/gdn_decode_step_norm.py, SPLIT_BELOW): B * HK < 256 splits
+PATHS = {{1: {{"_conv_update_kernel", "_gdn_decode_kernel", "_gated_rms_norm_kernel"}},
+         16: {{"_gdn_decode_norm_kernel"}}}}
+for B, expected in PATHS.items():
+    inputs = t.gdn_block_inputs(B, B + 2, HK, HV, K, V, torch.bfloat16, B)
+    ep, folded, hist = t.export_gdn_block(inputs, HK, HV, K, V)
+    assert folded == 1, hist
+    path = str(lower_aoti(ep, Path(tempfile.mkdtemp()) / "gdn.pt2"))
+    z = zipfile.ZipFile(path)
+    src = "\\n".join(z.read(n).decode(errors="ignore") for n in z.namelist() if n.endswith(".cpp"))
+    ours = set(re.findall(r"\\b(_(?:gdn_decode_norm|gdn_decode|conv_update|gated_rms_norm)_kernel)", src))
+    glue = sorted(set(re.findall(r"\\btriton_[a-z]+_fused\\w*", src)))
+    print(f"B={{B}} kernels:", sorted(ours), glue)
+    assert ours == expected, f"B={{B}}: compiled {{sorted(ours)}}, expected {{sorted(expected)}}"
+    assert not glue, f"B={{B}}: Inductor kernels (a write-back, or a copy of a view or of the state): {{glue}}"
+    assert "proxy_executor_call_function(" not in src, "an op is called back through Python (proxy executor)"
+    assert not re.search(r"aoti_torch_clone|aoti_torch_copy_", src), "a copy of the state or of a view survived"
+    assert not [w for w in warnings if "assuming every input is mutated" in w], warnings
+    pkg = torch._inductor.aoti_load_package(path)
+    eager, aoti = [x.clone() for x in inputs], [x.clone() for x in inputs]
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randn(inputs[0].shape, generator=g).to(torch.bfloat16).cuda()
+        eager[0], aoti[0] = x, x.clone()
+        ref = t._GdnDecode(HK, HV, K, V)(*eager)
+        before = dict(PYTHON_CALLS)
+        got = pkg(*aoti)
+        torch.cuda.synchronize()
+        assert dict(PYTHON_CALLS) == before, "Python reference called from the package"
+        t.close(got[0] if isinstance(got, (list, tuple)) else got, ref, 3.2e-2, f"B={{B}} step {{step}} y")
+        t.close(aoti[1], eager[1], 0.0, f"B={{B}} step {{step}} conv state")
+        t.close(aoti[2], eager[2], 3e-3, f"B={{B}} step {{step}} recurrent state")
 print("AOTI OK")
 """
 
@@ -251,9 +255,10 @@ print("AOTI OK")
 @pytest.mark.cuda
 @pytest.mark.skipif(not (CUDA and HAVE_TRITON), reason="needs a CUDA device and triton")
 def test_aoti_package_writes_state_in_place(tmp_path):
-    """35B GDN layer shape: the folded program compiled by AOTInductor launches the one GDN kernel and nothing
-    else (no index_copy write-back, no clone of the state, no copy of the strided projection views) and
-    carries the state as eager does over 3 steps. Subprocess: on the H200 image loading a package needs
+    """35B GDN layer shape, B = 1 (split path) and 16 (fused kernel): the folded program compiled through
+    lower_aoti launches the op's own kernels and nothing else (no index_copy write-back, no clone of the
+    state, no copy of the strided projection views, no Python call) and carries the state as eager does
+    over 3 steps. Subprocess: on the H200 image loading a package needs
     LD_PRELOAD of the system libstdc++ (docs/design.md)."""
     import os
     import subprocess
