@@ -355,3 +355,52 @@ def test_both_paths_match_reference(fused, in_place):
 
 def C_of(args):
     return args[0].shape[1]
+
+
+_MUTATION_SCRIPT = """
+import sys, torch, triton
+sys.path.insert(0, {tests!r})
+from triton.backends.compiler import GPUTarget
+from torch._higher_order_ops import triton_kernel_wrap as tkw
+from onegraph.custom_ops.triton import causal_conv, gdn_decode_step, gdn_decode_step_norm, norms
+from test_triton_gdn_decode_norm import make
+
+class _Sm90:                 # the analysis asks the active driver for a target; without a GPU there is none
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+if not torch.cuda.is_available():
+    triton.runtime.driver.set_active(_Sm90())
+if hasattr(tkw, "identify_accessed_tensors"):            # torch >= 2.12
+    writes = lambda kernel, kw: [d.name for d in tkw.identify_accessed_tensors(kernel, kw, {{}}).read_writes.writes]
+else:                                                     # torch 2.11 (the H200 image)
+    writes = lambda kernel, kw: tkw.identify_mutated_tensors(kernel, kw, {{}})
+launches = []
+for mod in (gdn_decode_step_norm, causal_conv, gdn_decode_step, norms):
+    mod.launch = lambda kernel, grid, *a, **meta: launches.append((kernel, a, meta))
+for B in (1, 16):                                         # the split path, then the fused kernel
+    args = [a.cpu() if isinstance(a, torch.Tensor) else a
+            for a in make(B, B + 1, 16, 32, 128, 128, 4, torch.bfloat16, 0, list(range(B)))]
+    torch.ops.onegraph.gdn_decode_step_norm_inplace_triton(*args)
+for kernel, a, meta in launches:
+    kw = dict(zip([n for n in kernel.arg_names if n not in meta], a))
+    kw.update({{k: v for k, v in meta.items() if k not in ("num_warps", "num_stages")}})
+    print(kernel.fn.__name__, sorted(writes(kernel, kw)))
+"""
+
+
+@needs_triton
+def test_inplace_kernels_write_the_state_through_the_argument_they_read():
+    """Inductor's TTIR analysis of the in-place twin's kernels, at the 35B shape on both paths: each state is
+    written through the very argument it is read from (the same tensor passed again for its strides is never
+    stored to), so AOTInductor neither clones the state nor copies it back. Compiled for sm_90 without a GPU."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = _MUTATION_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.stdout.split("\n")[:4] == [
+        "_conv_update_kernel ['state', 'y']", "_gdn_decode_kernel ['out', 'rec_state']",
+        "_gated_rms_norm_kernel ['y']", "_gdn_decode_norm_kernel ['conv_state', 'rec_state', 'y']"], res.stdout
