@@ -216,7 +216,7 @@ logging.getLogger("torch._higher_order_ops.triton_kernel_wrap").addHandler(Catch
 HK, HV, K, V = 16, 32, 128, 128                  # Qwen3.5-35B-A3B's GDN layer
 from pathlib import Path
 from onegraph.export.aoti import lower_aoti
-# the launcher's two paths (custom_ops/triton/gdn_decode_step_norm.py, SPLIT_BELOW): B * HK < 256 splits
+# the launcher's two paths (custom_ops/triton/gdn_decode_step_norm.py, SPLIT_BELOW): B * HK < 64 splits
 PATHS = {{1: {{"_conv_update_kernel", "_gdn_decode_kernel", "_gated_rms_norm_kernel"}},
          16: {{"_gdn_decode_norm_kernel"}}}}
 for B, expected in PATHS.items():

@@ -1,5 +1,5 @@
 """Triton lowering of gdn_decode_step_norm (contract: custom_ops/gdn_decode_step_norm.py), and its in-place
-twin that writes the new state rows straight into the state at `slots`. Two paths, by B * HK (SPLIT_BELOW):
+twin that writes the new state rows straight into the state at `slots`. Two paths, by B * HK (SPLIT_BELOW = 64):
 - small batches: three launches with many programs each, `_split`: causal_conv_update's kernel (grid
   (B, C / 256), each channel's row owned by one program, so it may write in place), the GDN step on its
   output (grid (B, HV, V / BV), each state element owned by one thread), the gated norm (grid (B * HV));
@@ -160,11 +160,11 @@ def _gdn_decode_norm_kernel(
         tl.store(new_rec + i_b * s_nr_b + (hk * REP + r3) * s_nr_h + k3 * s_nr_k + v3 * s_nr_v, S, mask=m3)
 
 
-# Below this many (row, key head) programs the (B, HK) grid leaves most of the GPU idle: the 35B shape at
-# B = 1 (16 programs) took 11.8 us per layer where the split path took 5.6 (conv 32 programs, step
-# B * HV * V / 16 = 256 programs, norm 32), and 18.8 vs 17.9 us at B = 8 (H200, each call on its own
-# inputs in one CUDA graph). At B * HK >= SPLIT_BELOW the fused kernel's single launch is kept.
-SPLIT_BELOW = 256
+# Below this many (row, key head) programs the (B, HK) grid leaves most of the GPU idle. Measured at the 35B
+# shape, in place, each call on its own inputs in one CUDA graph (H200, benchmarks/h200_decode_parts.json):
+# B = 1 (16 programs) 11.97 us per layer for the one kernel vs 8.59 for the split path (conv 32 programs,
+# step B * HV * V / 16 = 256, norm 32); B = 8 (128 programs) 19.25 vs 21.29, the one kernel ahead.
+SPLIT_BELOW = 64
 
 
 def _split(qkv, a, b, z, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, norm_weight, num_k_heads,
