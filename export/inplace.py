@@ -104,12 +104,18 @@ def fold_state_writes(ep: torch.export.ExportedProgram) -> int:
             graph.erase_node(dead)
         folded += 1
     if folded:
-        for spec in ep.graph_signature.output_specs:
-            if isinstance(spec.arg, TensorArgument) and spec.arg.name in renamed:
-                spec.arg = TensorArgument(name=renamed[spec.arg.name])
-        graph.lint()
-        gm.recompile()
+        rename_outputs(ep, renamed)
     return folded
+
+
+def rename_outputs(ep: torch.export.ExportedProgram, renamed: dict[str, str]) -> None:
+    """After a fold: the graph signature's outputs that named a replaced write now name its replacement
+    (the input-mutation outputs), then lint and recompile the graph module."""
+    for spec in ep.graph_signature.output_specs:
+        if isinstance(spec.arg, TensorArgument) and spec.arg.name in renamed:
+            spec.arg = TensorArgument(name=renamed[spec.arg.name])
+    ep.graph.lint()
+    ep.graph_module.recompile()
 
 
 def _is_triton_twin(op) -> bool:

@@ -27,7 +27,9 @@ import operator
 
 import torch
 from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
-from torch.export.graph_signature import InputKind, TensorArgument
+from torch.export.graph_signature import InputKind
+
+from .inplace import rename_outputs
 
 FUNCTIONAL = "onegraph::qk_norm_rope_triton"
 TWIN = "onegraph::qk_norm_rope_kv_inplace_triton"
@@ -126,9 +128,5 @@ def fold_kv_writes(ep: torch.export.ExportedProgram) -> int:
             graph.erase_node(dead)
         folded += 1
     if folded:
-        for spec in ep.graph_signature.output_specs:
-            if isinstance(spec.arg, TensorArgument) and spec.arg.name in renamed:
-                spec.arg = TensorArgument(name=renamed[spec.arg.name])
-        graph.lint()
-        gm.recompile()
+        rename_outputs(ep, renamed)
     return folded

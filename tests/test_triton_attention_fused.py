@@ -26,7 +26,7 @@ import torch
 from onegraph.custom_ops.attention_decode import reference_attention_decode
 from onegraph.custom_ops.qk_norm_rope import reference_qk_norm_rope
 
-from triton_env import DEVICE, HAVE_TRITON, needs_triton
+from triton_env import CATCH_KERNEL_WARNINGS, DEVICE, HAVE_TRITON, needs_triton
 
 if HAVE_TRITON:
     from onegraph.custom_ops.triton import attention_decode as attn_mod
@@ -303,12 +303,7 @@ from onegraph.custom_ops import PYTHON_CALLS
 from onegraph.export.inplace import InlineInplaceTwins
 from onegraph.graphs.load import load_model
 
-warnings = []
-class Catch(logging.Handler):
-    def emit(self, record):
-        warnings.append(record.getMessage())
-logging.getLogger("torch._higher_order_ops.triton_kernel_wrap").addHandler(Catch())
-model = load_model("tiny", "bfloat16", "cuda")[1]
+""" + CATCH_KERNEL_WARNINGS + """model = load_model("tiny", "bfloat16", "cuda")[1]
 for kind in ("decode", "prefill"):
     layer, inputs, plain, folded, n = t._attention_layer_programs(model, kind)
     assert n == 1, n

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_env import CUDA, DEVICE, HAVE_TRITON, needs_triton
+from triton_env import CATCH_KERNEL_WARNINGS, CUDA, DEVICE, HAVE_TRITON, TTIR_WRITES, needs_triton
 
 from onegraph.custom_ops.gated_rms_norm import reference_gated_rms_norm
 from onegraph.custom_ops.gdn_decode_step import reference_gdn_decode_step
@@ -207,12 +207,7 @@ sys.path.insert(0, {tests!r})
 import test_triton_gdn_decode_norm as t
 from onegraph.custom_ops import PYTHON_CALLS
 
-warnings = []
-class Catch(logging.Handler):
-    def emit(self, record):
-        warnings.append(record.getMessage())
-logging.getLogger("torch._higher_order_ops.triton_kernel_wrap").addHandler(Catch())
-
+""" + CATCH_KERNEL_WARNINGS + """
 HK, HV, K, V = 16, 32, 128, 128                  # Qwen3.5-35B-A3B's GDN layer
 from pathlib import Path
 from onegraph.export.aoti import lower_aoti
@@ -358,23 +353,10 @@ def C_of(args):
 
 
 _MUTATION_SCRIPT = """
-import sys, torch, triton
+import sys
 sys.path.insert(0, {tests!r})
-from triton.backends.compiler import GPUTarget
-from torch._higher_order_ops import triton_kernel_wrap as tkw
 from onegraph.custom_ops.triton import causal_conv, gdn_decode_step, gdn_decode_step_norm, norms
 from test_triton_gdn_decode_norm import make
-
-class _Sm90:                 # the analysis asks the active driver for a target; without a GPU there is none
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-if not torch.cuda.is_available():
-    triton.runtime.driver.set_active(_Sm90())
-if hasattr(tkw, "identify_accessed_tensors"):            # torch >= 2.12
-    writes = lambda kernel, kw: [d.name for d in tkw.identify_accessed_tensors(kernel, kw, {{}}).read_writes.writes]
-else:                                                     # torch 2.11 (the H200 image)
-    writes = lambda kernel, kw: tkw.identify_mutated_tensors(kernel, kw, {{}})
 launches = []
 for mod in (gdn_decode_step_norm, causal_conv, gdn_decode_step, norms):
     mod.launch = lambda kernel, grid, *a, **meta: launches.append((kernel, a, meta))
@@ -398,7 +380,7 @@ def test_inplace_kernels_write_the_state_through_the_argument_they_read():
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = _MUTATION_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    script = TTIR_WRITES + _MUTATION_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)))
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert res.stdout.split("\n")[:4] == [

@@ -29,7 +29,7 @@ from onegraph.custom_ops import PYTHON_CALLS, _registry
 from onegraph.custom_ops.gdn_decode_step import gdn_gates
 from onegraph.custom_ops.gdn_prefill import reference_gdn_prefill
 
-from triton_env import CUDA, DEVICE, INTERPRETED  # noqa: E402, F401
+from triton_env import CUDA, DEVICE, INTERPRETED, TTIR_WRITES  # noqa: E402, F401
 
 pytest.importorskip("triton", reason="the Triton lowering needs triton (the `test` / `cuda` extra)")
 from onegraph.custom_ops.triton import gdn_prefill as prefill_mod  # noqa: E402
@@ -205,22 +205,8 @@ def test_kernels_compile_for_sm90_without_spills():
     assert res.returncode == 0 and "SM90 OK 4" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
 
 
-_MUTATION_SCRIPT = """
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from torch._higher_order_ops import triton_kernel_wrap as tkw
+_MUTATION_SCRIPT = TTIR_WRITES + """
 from onegraph.custom_ops.triton import gdn_prefill as m
-
-class _Sm90:                 # the analysis asks the active driver for a target; without a GPU there is none
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-if not torch.cuda.is_available():
-    triton.runtime.driver.set_active(_Sm90())
-if hasattr(tkw, "identify_accessed_tensors"):            # torch >= 2.12
-    writes = lambda kernel, kw: [d.name for d in tkw.identify_accessed_tensors(kernel, kw, {}).read_writes.writes]
-else:                                                     # torch 2.11 (the H200 image)
-    writes = lambda kernel, kw: tkw.identify_mutated_tensors(kernel, kw, {})
 launches = []
 m.launch = lambda kernel, grid, *a, **meta: launches.append((kernel, a, meta))
 m.gdn_prefill_triton(torch.randn(130, 256), torch.randn(130, 4), torch.rand(130, 4), torch.randn(3, 4, 32, 32),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_env import CUDA, DEVICE, HAVE_TRITON, cuda_only, kernels, needs_triton  # noqa: F401
+from triton_env import CUDA, DEVICE, HAVE_TRITON, cuda_only, cuda_us, kernels, needs_triton  # noqa: F401
 
 from onegraph.custom_ops.linear_w8a8_fp8 import reference_linear_w8a8_fp8
 from onegraph.custom_ops.linear_w8a8_int8 import int_dot, reference_linear_w8a8_int8
@@ -141,18 +141,7 @@ def test_35b_shapes(M, N, K, kind):
     _check(y, x, w, scale)
     wb = torch.randn(N, K, device=DEVICE, dtype=torch.bfloat16)
 
-    def us(fn):
-        for _ in range(3):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(50):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) * 1e3 / 50
-
-    t8, t16 = us(lambda: w8.matmul(x, w, scale)), us(lambda: lin.project(x, wb))
+    t8, t16 = cuda_us(lambda: w8.matmul(x, w, scale)), cuda_us(lambda: lin.project(x, wb))
     print(f"\n{kind} M={M} N={N} K={K}: w8a8 {t8:.1f} us ({N * K / t8 / 1e3:.0f} GB/s), bf16 {t16:.1f} us "
           f"({2 * N * K / t16 / 1e3:.0f} GB/s)")
 

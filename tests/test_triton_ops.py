@@ -31,7 +31,8 @@ from onegraph.custom_ops.gated_rms_norm import reference_gated_rms_norm
 from onegraph.custom_ops.gdn_decode_step import reference_gdn_decode_step
 from onegraph.custom_ops.rms_norm import reference_rms_norm
 
-from triton_env import CUDA, DEVICE, HAVE_TRITON, INTERPRETED, cuda_only, kernels, needs_triton  # noqa: F401
+from triton_env import (CATCH_KERNEL_WARNINGS, CUDA, DEVICE, HAVE_TRITON, INTERPRETED, cuda_only, kernels,  # noqa: F401
+                        needs_triton)
 
 if kernels.AVAILABLE:
     from onegraph.custom_ops.triton import attention_decode as attn_mod
@@ -413,12 +414,7 @@ sys.path.insert(0, {tests!r})
 import test_triton_ops as t
 from onegraph.custom_ops import PYTHON_CALLS
 
-warnings = []
-class Catch(logging.Handler):
-    def emit(self, record):
-        warnings.append(record.getMessage())
-logging.getLogger("torch._higher_order_ops.triton_kernel_wrap").addHandler(Catch())
-
+""" + CATCH_KERNEL_WARNINGS + """
 inputs = t._block_inputs(torch.bfloat16)
 clone = lambda: [x.clone() for x in inputs]
 ep = t._export_block(inputs)

@@ -23,3 +23,48 @@ needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason=f"triton not installed
 if HAVE_TRITON and not CUDA and not INTERPRETED:
     needs_triton = pytest.mark.skip(reason="kernels were defined without TRITON_INTERPRET and there is no GPU")
 cuda_only = [pytest.mark.cuda, pytest.mark.skipif(not (CUDA and HAVE_TRITON), reason="needs a CUDA device and triton")]
+
+
+# The head of a subprocess script (run without TRITON_INTERPRET) that asks Inductor's TTIR analysis which
+# arguments a kernel writes, compiling for sm_90 without a GPU: defines `writes(kernel, kwargs) -> [names]`.
+TTIR_WRITES = """
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from torch._higher_order_ops import triton_kernel_wrap as tkw
+
+class _Sm90:                 # the analysis asks the active driver for a target; without a GPU there is none
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+if not torch.cuda.is_available():
+    triton.runtime.driver.set_active(_Sm90())
+if hasattr(tkw, "identify_accessed_tensors"):            # torch >= 2.12
+    writes = lambda kernel, kw: [d.name for d in tkw.identify_accessed_tensors(kernel, kw, {}).read_writes.writes]
+else:                                                     # torch 2.11 (the H200 image)
+    writes = lambda kernel, kw: tkw.identify_mutated_tensors(kernel, kw, {})
+"""
+
+
+# For subprocess scripts that compile a package: collects torch's Triton-kernel analysis log lines in
+# `warnings` (a script asserts none says "assuming every input is mutated"). Needs `import logging`.
+CATCH_KERNEL_WARNINGS = """
+warnings = []
+class Catch(logging.Handler):
+    def emit(self, record):
+        warnings.append(record.getMessage())
+logging.getLogger("torch._higher_order_ops.triton_kernel_wrap").addHandler(Catch())
+"""
+
+
+def cuda_us(fn, reps: int = 50) -> float:
+    """µs per call of fn() on the GPU (CUDA events around `reps` calls after 3 warm-up calls): printed beside
+    a kernel's 35B-shape check, for orientation only (the benchmarks under benchmarks/ are the measurements)."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
