@@ -4,6 +4,18 @@ from pathlib import Path
 # tests import their helpers as plain modules (hf_models, ...)
 sys.path.insert(0, str(Path(__file__).parent))
 
+# Without a GPU the Triton kernel tests run in Triton's interpreter (tests/triton_env.py). The variable must be
+# set before anything imports triton.language: its own @jit functions (tl.sum, tl.max, ...) are made when it
+# is imported, and an interpreted kernel cannot call compiled ones ("Cannot call @triton.jit'd outside of the
+# scope of a kernel"). Importing onegraph.export pulls in torch._inductor, which imports triton, while pytest
+# collects the modules before the first test_triton_* one: so it is set here, before collection.
+import os  # noqa: E402
+
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
 import pytest  # noqa: E402
 
 # One AOTInductor export of `tiny` shared by every test that needs an artifact (compiles take
