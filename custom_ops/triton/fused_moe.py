@@ -227,11 +227,13 @@ def _moe_down_kernel(logits, down, sh_down, act, act_sh, route_w, route_i, y,
 
 
 # Tile sizes and warps: kernel 1 reads [BI1, BH1] tiles of gate and of up per step, kernel 2 [k, BH2, BI2]
-# tiles of down. Picked by `python -m onegraph.tools.tune_moe --batches 1 --copies 6` on the H200 (35B shape,
-# B = 1, each call on its own weights: benchmarks/h200_moe_tiles.json): the whole op (router GEMV + both
-# kernels) 40.0 us with swiglu (4, 256, 4), 28.9 us with down (4, 256, 2) (down (4, 256, 4): 40.0 us).
+# tiles of down. From `python -m onegraph.tools.tune_moe --batches 1 --copies 6` on the H200 (35B shape, B = 1,
+# each call on its own weights, benchmarks/h200_moe_tiles.json, measured before the down kernel also loaded
+# the shared expert first and the routing from kernel 1): swiglu (4, 256, 4); down (4, 256, 2) was 28.9 us for
+# the whole op and (4, 128, 4) 29.3, but the down kernel of today spills at (4, 256, 2) (255 registers, 16 bytes
+# at sm_90; compile_check), so it takes (4, 128, 4): 78 registers, no spills. Re-tune on the GPU.
 BI1, BH1, W1 = 4, 256, 4
-BH2, BI2, W2 = 4, 256, 2
+BH2, BI2, W2 = 4, 128, 4
 
 
 @triton_op("onegraph::fused_moe_triton", mutates_args=())
