@@ -26,7 +26,7 @@ import torch
 from onegraph.custom_ops.attention_decode import reference_attention_decode
 from onegraph.custom_ops.qk_norm_rope import reference_qk_norm_rope
 
-from triton_env import CATCH_KERNEL_WARNINGS, DEVICE, HAVE_TRITON, needs_triton
+from triton_env import CATCH_KERNEL_WARNINGS, DEVICE, HAVE_TRITON, needs_triton, run_package_script
 
 if HAVE_TRITON:
     from onegraph.custom_ops.triton import attention_decode as attn_mod
@@ -344,13 +344,7 @@ def test_fold_kv_writes_aoti(tmp_path):
     Inductor's mutation analysis understood the kernel (no 'assuming every input is mutated'); the package
     writes the caches in place and equals the unfolded program bit for bit. A subprocess: on the H200
     image loading a package segfaults unless LD_PRELOAD names the system libstdc++ (docs/design.md)."""
-    import os
-    import subprocess
-    import sys
-    script = tmp_path / "fold.py"
-    script.write_text(AOTI_FOLD_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0 and "AOTI FOLD OK" in res.stdout, res.stdout[-3000:] + res.stderr[-6000:]
+    run_package_script(tmp_path / "fold.py", AOTI_FOLD_SCRIPT, "AOTI FOLD OK")
 
 
 # ---------------------------------------------------------------- model: one clamp per step

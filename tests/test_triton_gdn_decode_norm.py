@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_env import CATCH_KERNEL_WARNINGS, CUDA, DEVICE, HAVE_TRITON, TTIR_WRITES, needs_triton
+from triton_env import CATCH_KERNEL_WARNINGS, CUDA, DEVICE, HAVE_TRITON, TTIR_WRITES, needs_triton, run_package_script
 
 from onegraph.custom_ops.gated_rms_norm import reference_gated_rms_norm
 from onegraph.custom_ops.gdn_decode_step import reference_gdn_decode_step
@@ -255,15 +255,7 @@ def test_aoti_package_writes_state_in_place(tmp_path):
     state, no copy of the strided projection views, no Python call) and carries the state as eager does
     over 3 steps. Subprocess: on the H200 image loading a package needs
     LD_PRELOAD of the system libstdc++ (docs/design.md)."""
-    import os
-    import subprocess
-    import sys
-    script = tmp_path / "aoti.py"
-    script.write_text(AOTI_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900)
-    hint = "" if res.returncode != -11 else (
-        "\nSIGSEGV: run with LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6) (docs/design.md)")
-    assert res.returncode == 0 and "AOTI OK" in res.stdout, res.stdout[-3000:] + res.stderr[-6000:] + hint
+    run_package_script(tmp_path / "aoti.py", AOTI_SCRIPT, "AOTI OK")
 
 
 

@@ -29,7 +29,7 @@ from onegraph.custom_ops import PYTHON_CALLS, _registry
 from onegraph.custom_ops.gdn_decode_step import gdn_gates
 from onegraph.custom_ops.gdn_prefill import reference_gdn_prefill
 
-from triton_env import CUDA, DEVICE, INTERPRETED, TTIR_WRITES  # noqa: E402, F401
+from triton_env import CUDA, DEVICE, INTERPRETED, TTIR_WRITES, run_package_script  # noqa: E402, F401
 
 pytest.importorskip("triton", reason="the Triton lowering needs triton (the `test` / `cuda` extra)")
 from onegraph.custom_ops.triton import gdn_prefill as prefill_mod  # noqa: E402
@@ -267,9 +267,4 @@ def test_aoti_package(tmp_path):
     """The lowering compiled into an AOTInductor package (T static) runs, matches eager and writes the
     state in place without calling Python. A subprocess: on the H200 image loading a package segfaults
     unless LD_PRELOAD names the system libstdc++ (docs/design.md)."""
-    script = tmp_path / "aoti.py"
-    script.write_text(_AOTI_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900)
-    hint = "" if res.returncode != -11 else (
-        "\nSIGSEGV: run with LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6) (docs/design.md)")
-    assert res.returncode == 0 and "AOTI OK" in res.stdout, res.stdout[-3000:] + res.stderr[-6000:] + hint
+    run_package_script(tmp_path / "aoti.py", _AOTI_SCRIPT, "AOTI OK")

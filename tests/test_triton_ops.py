@@ -32,7 +32,7 @@ from onegraph.custom_ops.gdn_decode_step import reference_gdn_decode_step
 from onegraph.custom_ops.rms_norm import reference_rms_norm
 
 from triton_env import (CATCH_KERNEL_WARNINGS, CUDA, DEVICE, HAVE_TRITON, INTERPRETED, cuda_only, kernels,  # noqa: F401
-                        needs_triton)
+                        needs_triton, run_package_script)
 
 if kernels.AVAILABLE:
     from onegraph.custom_ops.triton import attention_decode as attn_mod
@@ -441,9 +441,4 @@ def test_aoti_package_with_triton_kernels(tmp_path):
     failed analysis assumes all inputs mutated and clones the caches on every call). Runs in a
     subprocess: on the H200 image loading a package segfaults unless LD_PRELOAD names the system
     libstdc++ (docs/design.md)."""
-    script = tmp_path / "aoti.py"
-    script.write_text(AOTI_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900)
-    hint = "" if res.returncode != -11 else (
-        "\nSIGSEGV: run with LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6) (docs/design.md)")
-    assert res.returncode == 0 and "AOTI OK" in res.stdout, res.stdout[-3000:] + res.stderr[-6000:] + hint
+    run_package_script(tmp_path / "aoti.py", AOTI_SCRIPT, "AOTI OK")

@@ -68,3 +68,16 @@ def cuda_us(fn, reps: int = 50) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / reps
+
+
+def run_package_script(path, template: str, ok_line: str) -> None:
+    """Writes `template` (formatted with tests= this folder) to `path`, runs it in a fresh Python and asserts it
+    exits 0 having printed `ok_line`. A subprocess because on the H200 image loading an AOTInductor package
+    segfaults unless LD_PRELOAD names the system libstdc++ (docs/design.md): a SIGSEGV says so."""
+    import subprocess
+    import sys
+    path.write_text(template.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    res = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=900)
+    hint = "" if res.returncode != -11 else (
+        "\nSIGSEGV: run with LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6) (docs/design.md)")
+    assert res.returncode == 0 and ok_line in res.stdout, res.stdout[-3000:] + res.stderr[-6000:] + hint

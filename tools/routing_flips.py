@@ -105,14 +105,8 @@ def main(argv=None) -> int:
                     help="measure this model's own router rows instead (repeatable; `tiny-random` for random weights)")
     args = ap.parse_args(argv)
     if args.model:
-        res = {"command": "python -m onegraph.tools.routing_flips " + " ".join(sys.argv[1:] if argv is None else argv),
-               "text": "graphs/tiny_weights/heldout.txt", "rows": [model_rows(m) for m in args.model]}
-        text = json.dumps(res, indent=1)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text + "\n")
-        print(text)
-        return 0
+        return _emit({"text": "graphs/tiny_weights/heldout.txt", "rows": [model_rows(m) for m in args.model]},
+                     argv, args.out)
     rows = []
     for name, H, E, k, layers in (("qwen3.5-35b-a3b", 2048, 256, 8, 40), ("tiny", 64, 8, 2, 4)):
         for frac in (0.01, 0.1):
@@ -120,11 +114,15 @@ def main(argv=None) -> int:
             rows.append({"shape": name, "hidden": H, "experts": E, "top_k": k, "moe_layers": layers,
                          "perturbed_fraction": frac, "flip_rate_per_layer_token": round(p, 4),
                          "expected_flips_per_token": round(p * layers, 3)})
-    res = {"command": "python -m onegraph.tools.routing_flips " + " ".join(sys.argv[1:] if argv is None else argv),
-           "rows": rows}
-    text = json.dumps(res, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
+    return _emit({"rows": rows}, argv, args.out)
+
+
+def _emit(res: dict, argv, out) -> int:
+    """The JSON (with the command that made it) to stdout and, with --out, to that file."""
+    command = "python -m onegraph.tools.routing_flips " + " ".join(sys.argv[1:] if argv is None else argv)
+    text = json.dumps({"command": command, **res}, indent=1)
+    if out:
+        with open(out, "w") as f:
             f.write(text + "\n")
     print(text)
     return 0
