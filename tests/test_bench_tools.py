@@ -60,3 +60,48 @@ def test_identical_experts_make_the_moe_blind_to_routing():
     assert (out(own) - out(other)).abs().max() > 1e-3
     identical_experts_(model)
     assert (out(own) - out(other)).abs().max() < 1e-5
+
+
+def test_bench_big_layers_and_speculative_round_on_cpu(tmp_path):
+    """bench_big --layers / --speculative-tokens on the tiny shape (CPU, fp32, the traced graphs run
+    uncaptured): the JSON names the layer counts and its projection method, the decode step and the
+    speculative round each equal their eager run, the round reports its cost and ms/token at assumed
+    acceptance lengths, and no acceptance is measured (random weights)."""
+    import json
+
+    from onegraph.tools.bench_big import main
+    out = tmp_path / "spec.json"
+    assert main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--lower", "export", "--layers", "2",
+                 "--speculative-tokens", "1", "--batch", "1", "--steps", "2", "--eager-steps", "1",
+                 "--max-seq-len", "64", "--position", "8", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert (res["layers"], res["layers_full"]) == (2, 4) and "projection" in res["method"]
+    dec = res["batches"][0]
+    assert dec["parity_vs_eager"]["ids_equal"] and dec["parity_vs_eager"]["max_logit_diff"] < 1e-4
+    (row,) = res["speculation"]
+    assert row["speculative_tokens"] == 1 and row["parity_vs_eager"]["exact"], row["parity_vs_eager"]
+    assert row["round_ms"] > 0 and row["round_over_decode_step"] > 0
+    assert set(row["ms_per_token_at_acceptance"]) == {"2.0", "2.5", "3.0", "3.4"}
+    # the round reads more weights than a decode step (K+1 rows' experts, the head, lm_head K more times)
+    assert row["round_weight_bytes"] > dec["weight_bytes_per_step"]
+    assert "meaningless" in res["acceptance"]
+    assert not any("accepted" in key or "acceptance_length" in key for key in row)
+
+
+def test_bench_big_round_split():
+    """split_round cuts a round's time-ordered device events at its sample calls: k drafts, then the verify's
+    targets, then the commit up to the catch-up's first GEMM; a round with another count of sample calls
+    is refused."""
+    import pytest
+
+    from onegraph.tools.bench_big_spec import split_round
+    ev = [("index_select", 0, 1), ("_gemv_kernel", 1, 3), ("_scan_kernel", 3, 4), ("_pick_kernel", 4, 5),   # draft 1
+          ("_rms_norm_kernel", 5, 6), ("_gemv_kernel", 6, 7), ("_scan_kernel", 7, 8), ("_pick_kernel", 8, 9),  # draft 2
+          ("_gdn_decode_kernel", 9, 12), ("_gemv_kernel", 12, 20), ("_scan_kernel", 20, 21),   # verify
+          ("_pick_kernel", 21, 22), ("triton_poi_fused_index_copy_0", 23, 25),                  # commit
+          ("_gemv_kernel", 26, 27), ("_attn_split_kernel", 27, 30)]                             # catch-up
+    s = split_round(ev, 2)
+    assert (s["draft_us"], s["verify_us"], s["commit_us"], s["catch_up_us"]) == (9, 13, 3, 5)
+    assert (s["verify_lm_head_us"], s["verify_fixed_us"], s["kernels"]) == (8, 10, 15)
+    with pytest.raises(ValueError, match="sample calls"):
+        split_round(ev, 1)

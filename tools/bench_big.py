@@ -28,6 +28,22 @@ from pathlib import Path
 import torch
 
 
+LAYERS_METHOD = (
+    "--layers N: the model has the first N of the full model's decoder layers (the same layer pattern), every "
+    "other part at the full shape; measured figures (replay_ms_per_step, round_ms, weight bytes, bandwidth "
+    "limits) are of that N-layer model. *_full_projection figures are projections, not measurements: decode: "
+    "step_ms_full_projection = fixed + per_layer_ms * layers_full, fixed = the profiled kernel time of lm_head "
+    "(the step's largest GEMM) and the sample kernels, per_layer_ms = (replay_ms_per_step - fixed) / N (launch "
+    "gaps included; the embedding gather, the final norm and the step's few glue kernels are counted as layer "
+    "time, so the projection errs high by (layers_full / N - 1) times their few us). Speculative round: the "
+    "profiled round is split in time order at its sample calls (round_split_us: draft = up to the k-th, verify "
+    "= up to the (k+1)-th, commit = up to the head catch-up's first GEMM, catch-up = the rest, each a span "
+    "with its launch gaps); round_ms_full_projection = round_ms + (layers_full / N - 1) * (verify_us - "
+    "verify_fixed_us + commit_us), verify_fixed_us = the verify's lm_head and sample kernel time; the draft and "
+    "the catch-up run the head only and do not scale. Check: the same command without --layers measures the "
+    "full decode step")
+
+
 def copy_bandwidth(device, mib: int = 2048) -> float:
     """bytes moved (read + write) per second by a device-to-device copy."""
     a = torch.empty(mib << 20, dtype=torch.uint8, device=device)
@@ -49,6 +65,8 @@ def region_bytes(model, B: int) -> dict:
     cfg, dense, moe = model.cfg, 0, 0
     for name, p in model.named_parameters():
         nbytes = p.numel() * p.element_size()
+        if name.startswith("mtp."):                 # the MTP head (--speculative-tokens): no decode step reads it
+            continue
         if ".mlp." in name:
             if ".experts." in name:
                 nbytes = int(nbytes * (1 - (1 - cfg.top_k / cfg.num_experts) ** B))
@@ -65,6 +83,8 @@ def bytes_per_step(model, B: int) -> int:
     total = 0
     for name, p in model.named_parameters():
         nbytes = p.numel() * p.element_size()
+        if name.startswith("mtp."):
+            continue
         if name.endswith("embed_tokens.weight"):
             nbytes = B * p.shape[1] * p.element_size()
         elif ".experts." in name:
@@ -179,17 +199,49 @@ def _sync(dev):
         torch.cuda.synchronize()
 
 
-def lower(model, weights, kind: str, bucket: int, args, dev, r: dict):
-    """Trace + lower one graph and bind the in-memory weights -> AotiGraph; timings go into r."""
+class ExportedGraph:
+    """--lower export: the traced, decomposed graph run as torch.export's module (no AOTInductor: seconds
+    instead of a minute per graph on the CPU, for tests), with AotiGraph's run(inputs) -> outputs; state
+    inputs are mutated in place as the lowered graph does."""
+
+    def __init__(self, ep):
+        self.module = ep.module()
+
+    def run(self, inputs):
+        with torch.no_grad():
+            return list(self.module(*inputs))
+
+
+class UncapturedDecode:
+    """CapturedDecode's step() without a CUDA graph (--lower export, or the CPU): tokens gathered from
+    last_tok, the graph called, last_tok[slots] = ids."""
+
+    def __init__(self, graph, state, last_tok, dev):
+        self.graph, self.state, self.last_tok, self.dev = graph, state, last_tok, dev
+
+    def step(self, rows, positions, sampling):
+        slots = torch.tensor(rows, device=self.dev)
+        samp = [torch.cat(col) for col in zip(*(s.tensors(1, self.dev) for s in sampling))]   # 4 x [n]
+        ids, logits = self.graph.run([self.last_tok.index_select(0, slots), slots,
+                                      torch.tensor(positions, device=self.dev)] + samp + list(self.state))[:2]
+        self.last_tok.index_copy_(0, slots, ids)
+        return ids, logits
+
+
+def lower(model, weights, kind: str, bucket: int, args, dev, r: dict, k: int = 0):
+    """Trace + lower one graph (k: a spec round's drafts) and bind the in-memory weights -> AotiGraph (or,
+    with --lower export, an ExportedGraph); timings go into r."""
     from onegraph.export.aoti import lower_aoti
     from onegraph.export.entry import graph_spec
     from onegraph.export.trace import trace
     from onegraph.runtime.executor import AotiGraph
     dtype = model.embed_tokens.weight.dtype
     t = time.time()
-    ep, hist = trace(model, graph_spec(model, kind, bucket, args.max_seq_len, dtype), dev, args.kernels)
+    ep, hist = trace(model, graph_spec(model, kind, bucket, args.max_seq_len, dtype, k), dev, args.kernels)
     r["trace_s"] = round(time.time() - t, 1)
     r["graph_nodes"] = sum(hist.values())
+    if args.lower == "export":
+        return ExportedGraph(ep)
     t = time.time()
     pkg = lower_aoti(ep, Path(tempfile.mkdtemp()) / f"{kind}.pt2", eager_rounding=True)
     r["compile_s"] = round(time.time() - t, 1)
@@ -241,7 +293,7 @@ def bench_batch(model, weights, B: int, args, dev, bw: float) -> dict:
     cfg, r = model.cfg, {"batch": B}
     graph = lower(model, weights, "decode", B, args, dev, r)
     t = time.time()
-    state = new_state(cfg, B, args.max_seq_len, torch.bfloat16, dev, model.tp)
+    state = new_state(cfg, B, args.max_seq_len, model.embed_tokens.weight.dtype, dev, model.tp)
     last_tok = torch.arange(1, B + 2, device=dev)                  # [B + 1]: slot B is the scratch slot
     slots = torch.arange(B, device=dev)
     eager_in = [last_tok[:B].clone(), slots, torch.full((B,), args.position, device=dev)] + Sampling().tensors(B, dev)
@@ -251,20 +303,23 @@ def bench_batch(model, weights, B: int, args, dev, bw: float) -> dict:
     def timed(step, n: int) -> float:
         for _ in range(3):
             step()
-        torch.cuda.synchronize()
+        _sync(dev)
         t = time.perf_counter()
         for _ in range(n):
             if link is not None:
                 torch.distributed.broadcast(link, 0)
             step()
-        torch.cuda.synchronize()
+        _sync(dev)
         return (time.perf_counter() - t) / n * 1e3
 
     with torch.no_grad():       # the lowered graph called directly, as the TP runtime does today
         uncaptured_ms = timed(lambda: graph.run(eager_in + state), args.steps)
     r["uncaptured_replay_ms_per_step"] = round(uncaptured_ms, 3)
+    capture = dev.type == "cuda" and args.lower == "aoti"     # else (the CPU, tests) the same steps uncaptured
+    r["captured"] = capture
     try:
-        cap = CapturedDecode(graph.run_with_stream, B, state, last_tok, B, dev)
+        cap = CapturedDecode(graph.run_with_stream, B, state, last_tok, B, dev) if capture else \
+            UncapturedDecode(graph, state, last_tok, dev)
     except Exception as e:                       # recorded in the JSON, not hidden: no captured rows then
         r["capture_error"] = f"{type(e).__name__}: {e}"[:500]
         log(json.dumps(r))
@@ -273,7 +328,7 @@ def bench_batch(model, weights, B: int, args, dev, bw: float) -> dict:
     rows, pos, samp = list(range(B)), [args.position] * B, [Sampling()] * B
     r["parity_vs_eager"] = step_parity(model, cap, state, last_tok, rows, pos, samp, dev, args.parity_steps)
     replay_ms = timed(lambda: cap.step(rows, pos, samp), args.steps)
-    if args.profile:
+    if args.profile and dev.type == "cuda":
         if args.rank == 0:
             r["regions_us_per_step"], r["top_kernels_us_per_step"] = profile_regions(
                 lambda: cap.step(rows, pos, samp), 10)
@@ -282,6 +337,11 @@ def bench_batch(model, weights, B: int, args, dev, bw: float) -> dict:
             # achieved bandwidth of a region = its weight bytes / its kernel time, as a fraction of copy bandwidth
             r["region_fraction_of_bandwidth"] = {k: round(nb / (reg[k] * 1e-6) / bw, 3)
                                                  for k, nb in region_bytes(model, B).items() if reg.get(k)}
+            if cfg.num_layers < args.layers_full:    # --layers: projected to the full depth (res["method"])
+                fixed_ms = (reg["largest_single_gemm(lm_head)"] + reg.get("sampling", 0.0)) / 1e3
+                per_layer_ms = (replay_ms - fixed_ms) / cfg.num_layers
+                r.update({"fixed_ms_lm_head_sampling": round(fixed_ms, 4), "per_layer_ms": round(per_layer_ms, 4),
+                          "step_ms_full_projection": round(fixed_ms + per_layer_ms * args.layers_full, 3)})
         else:                                   # the same steps, so the collectives pair up
             for _ in range(10):
                 cap.step(rows, pos, samp)
@@ -290,11 +350,12 @@ def bench_batch(model, weights, B: int, args, dev, bw: float) -> dict:
     nbytes = bytes_per_step(model, B)
     r.update({"replay_ms_per_step": round(replay_ms, 3), "replay_tok_s": round(B / replay_ms * 1e3, 1),
               "eager_ms_per_step": round(eager_ms, 3), "replay_speedup_vs_eager": round(eager_ms / replay_ms, 2),
-              "weight_bytes_per_step": nbytes, "bandwidth_limit_ms": round(nbytes / bw * 1e3, 3),
-              "fraction_of_bandwidth_limit": round(nbytes / bw * 1e3 / replay_ms, 3),
-              "peak_memory_GB": round(torch.cuda.max_memory_allocated() / 1e9, 1)})
+              "weight_bytes_per_step": nbytes, "bandwidth_limit_ms": round(nbytes / bw * 1e3, 3) if bw else None,
+              "fraction_of_bandwidth_limit": round(nbytes / bw * 1e3 / replay_ms, 3) if bw else None,
+              "peak_memory_GB": round(torch.cuda.max_memory_allocated() / 1e9, 1) if dev.type == "cuda" else None})
     del cap, graph, state
-    torch.cuda.empty_cache()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     return r
 
 
@@ -341,27 +402,62 @@ def main(argv=None) -> int:
     ap.add_argument("--identical-experts", action="store_true",
                     help="copy expert 0 into every expert of each layer: a router flip then cannot change the "
                          "output, which separates routing flips from every other numeric difference")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="build only the first N decoder layers (the config's layer pattern); with --profile the "
+                         "JSON adds figures projected to the full depth (see its 'method')")
+    ap.add_argument("--speculative-tokens", type=lambda v: [int(x) for x in v.split(",")], default=[],
+                    help="comma-separated K: per K and batch, a speculative round graph (MTP head drafts K, the "
+                         "main model verifies K+1 rows) timed against the decode step (tools/bench_big_spec.py)")
+    ap.add_argument("--shape", default="qwen3.5-35b-a3b", choices=["qwen3.5-35b-a3b", "tiny"],
+                    help="the model config built with random weights (tiny: the builtin model's shape, for tests)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--lower", default="aoti", choices=["aoti", "export"],
+                    help="export: run torch.export's traced graph uncaptured instead of an AOTInductor package "
+                         "(the CPU tests: seconds instead of a minute per graph)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_big: needs a CUDA device", file=sys.stderr)
+        return 2
+    from onegraph.graphs.spec import check_k
+    try:
+        for k in args.speculative_tokens:
+            check_k(k)
+    except ValueError as e:
+        print(f"bench_big: --speculative-tokens: {e}", file=sys.stderr)
         return 2
     from onegraph.graphs.config import ModelConfig
     from onegraph.graphs.fuse import fuse_projections
     from onegraph.graphs.load import shard_model
-    from onegraph.graphs.tiny import QWEN35_35B_A3B_HF_CONFIG, random_model
+    from onegraph.graphs.tiny import QWEN35_35B_A3B_HF_CONFIG, TINY_HF_CONFIG, random_model
     from onegraph.runtime.tp import init_from_torchrun, leave, native
-    args.rank, tp = init_from_torchrun("cuda")         # (0, 1) unless launched by torchrun
+    hf = dict(QWEN35_35B_A3B_HF_CONFIG if args.shape == "qwen3.5-35b-a3b" else TINY_HF_CONFIG)
+    args.layers_full = hf["num_hidden_layers"]
+    if not 0 <= args.layers <= args.layers_full:
+        print(f"bench_big: --layers must be in 1..{args.layers_full}, got {args.layers}", file=sys.stderr)
+        return 2
+    if args.layers:                                    # the first N layers of the same pattern
+        hf["num_hidden_layers"] = args.layers
+        if "layer_types" in hf:
+            hf["layer_types"] = hf["layer_types"][:args.layers]
+    args.rank, tp = init_from_torchrun(args.device)    # (0, 1) unless launched by torchrun
+    if tp > 1 and args.speculative_tokens:
+        print("bench_big: --speculative-tokens runs at tp 1 (the MTP head is not sharded)", file=sys.stderr)
+        return 2
     args.loader_cls = native().Loader if tp > 1 else None   # TP: the runtime's GIL-free runner
-    dev = torch.device("cuda", torch.cuda.current_device())
+    dev = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    dtype = getattr(torch, args.dtype)
     res = {"command": ("torchrun --nproc-per-node {} -m ".format(tp) if tp > 1 else "python -m ")
            + "onegraph.tools.bench_big " + " ".join(sys.argv[1:] if argv is None else argv),
-           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tp": tp,
+           "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else None, "torch": torch.__version__, "tp": tp,
+           "shape": args.shape, "dtype": args.dtype, "lower": args.lower,
+           "layers": len(ModelConfig.from_hf(hf).layer_types), "layers_full": args.layers_full,
            "position": args.position, "kernels": args.kernels, "fp32_reduce": args.fp32_reduce,
            "identical_experts": args.identical_experts}
     t = time.time()
-    cfg = ModelConfig.from_hf(QWEN35_35B_A3B_HF_CONFIG)
-    model = random_model(cfg, torch.bfloat16, dev, fp32_reduce=args.fp32_reduce)   # every rank: the same weights
+    cfg = ModelConfig.from_hf(hf)
+    model = random_model(cfg, dtype, dev, fp32_reduce=args.fp32_reduce)   # every rank: the same weights
     if args.identical_experts:
         identical_experts_(model)
     if tp > 1:
@@ -369,10 +465,15 @@ def main(argv=None) -> int:
         del full
         torch.cuda.empty_cache()
     fuse_projections(model)                             # as export does: after sharding
+    if args.speculative_tokens:
+        from onegraph.tools.bench_big_spec import attach_random_head
+        attach_random_head(model, dev)                  # model.mtp, unfused as export leaves it
     res["params_B"] = round(sum(p.numel() for p in model.parameters()) / 1e9, 2)
     res["build_s"] = round(time.time() - t, 1)
     log("build_s", res["build_s"])
-    res["copy_bandwidth_GBps"] = round(copy_bandwidth(dev) / 1e9, 1)
+    res["copy_bandwidth_GBps"] = round(copy_bandwidth(dev) / 1e9, 1) if dev.type == "cuda" else None
+    if cfg.num_layers < args.layers_full:
+        res["method"] = LAYERS_METHOD
     weights = {f"model.{n}": p for n, p in model.named_parameters()}
     weights.update({f"model.{n}": b for n, b in model.named_buffers()})
     out = Path(args.out)
@@ -380,10 +481,20 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     res["batches"] = []
     for B in args.batch:
-        r = bench_batch(model, weights, B, args, dev, res["copy_bandwidth_GBps"] * 1e9)
+        r = bench_batch(model, weights, B, args, dev, (res["copy_bandwidth_GBps"] or 0) * 1e9)
         res["batches"].append(r)
         log(json.dumps(r))
         save()                                           # partial results survive a kill
+    if args.speculative_tokens:
+        from onegraph.tools.bench_big_spec import NO_ACCEPTANCE, bench_round
+        res["speculation"], res["acceptance"] = [], NO_ACCEPTANCE
+        for B, decode_row in zip(args.batch, res["batches"]):
+            for k in args.speculative_tokens:
+                r = bench_round(model, weights, B, k, args, dev, decode_row, (res["copy_bandwidth_GBps"] or 0) * 1e9,
+                                lower)
+                res["speculation"].append(r)
+                log(json.dumps(r))
+                save()
     res["prefill"] = []
     for T in args.prefill:
         res["prefill"].append(bench_prefill(model, weights, T, args, dev))
@@ -392,7 +503,7 @@ def main(argv=None) -> int:
     if args.transformers and tp == 1:
         del model, weights
         torch.cuda.empty_cache()
-        res["transformers"] = bench_transformers(QWEN35_35B_A3B_HF_CONFIG, args.batch, max(3, args.eager_steps), dev)
+        res["transformers"] = bench_transformers(hf, args.batch, max(3, args.eager_steps), dev)
         save()
     leave()
     if args.rank == 0:
