@@ -6,6 +6,17 @@ onegraph model eager, and the bandwidth limit measured in the same run.
     python -m onegraph.tools.bench_big --batch 1 --prefill 512,2048 --out ttft.json     # + TTFT per prompt length
     python -m onegraph.tools.bench_big --batch 1,8 --transformers --out hf.json         # + transformers eager
     torchrun --nproc-per-node 2 -m onegraph.tools.bench_big --batch 1,64 --out tp2.json # tensor parallel
+    python -m onegraph.tools.bench_big --batch 1 --layers 4 --speculative-tokens 1,2,3,4 --profile --out spec.json
+
+--layers N builds only the first N decoder layers (the config's layer pattern; 4 = one 3 GDN + 1 attention
+unit of the 35B model), which lowers in a fraction of the full graph's time; with --profile the JSON adds
+figures projected to the full depth, labelled *_full_projection, and the method in "method".
+--speculative-tokens K1,K2,.. adds a random MTP head and, per K and batch, times the speculative round graph
+(draft K with the head, verify K+1 rows with the main model, accept, commit, catch up) against the decode
+step of the same model: tools/bench_big_spec.py. Random weights give no meaningful acceptance: none is
+reported, only ms per token at assumed acceptance lengths. A cheap cross-check of the verify's cost: it is
+a decode step over B*(K+1) rows, so --batch B*(K+1) approximates its main-model pass.
+--shape tiny --device cpu --lower export runs the same code paths on the CPU in seconds (tests).
 
 Under torchrun every rank builds the same seeded weights, keeps its shard (graphs/tp.py's plan), lowers
 its own decode graph (NCCL collectives as graph nodes) and replays it captured in a CUDA graph, with
@@ -31,17 +42,17 @@ import torch
 LAYERS_METHOD = (
     "--layers N: the model has the first N of the full model's decoder layers (the same layer pattern), every "
     "other part at the full shape; measured figures (replay_ms_per_step, round_ms, weight bytes, bandwidth "
-    "limits) are of that N-layer model. *_full_projection figures are projections, not measurements: decode: "
-    "step_ms_full_projection = fixed + per_layer_ms * layers_full, fixed = the profiled kernel time of lm_head "
-    "(the step's largest GEMM) and the sample kernels, per_layer_ms = (replay_ms_per_step - fixed) / N (launch "
-    "gaps included; the embedding gather, the final norm and the step's few glue kernels are counted as layer "
-    "time, so the projection errs high by (layers_full / N - 1) times their few us). Speculative round: the "
-    "profiled round is split in time order at its sample calls (round_split_us: draft = up to the k-th, verify "
-    "= up to the (k+1)-th, commit = up to the head catch-up's first GEMM, catch-up = the rest, each a span "
-    "with its launch gaps); round_ms_full_projection = round_ms + (layers_full / N - 1) * (verify_us - "
-    "verify_fixed_us + commit_us), verify_fixed_us = the verify's lm_head and sample kernel time; the draft and "
-    "the catch-up run the head only and do not scale. Check: the same command without --layers measures the "
-    "full decode step")
+    "limits) are of that N-layer model. *_full_projection figures are projections, not measurements, from "
+    "the profiler's device events of single steps (launch gaps included): decode: layers_span_ms = from the "
+    "end of the step's first Triton kernel (the embedding gather) to the start of lm_head (its longest GEMM), "
+    "per_layer_ms = layers_span_ms / N, step_ms_full_projection = replay_ms_per_step + (layers_full - N) * "
+    "per_layer_ms (the final norm, one kernel, is counted as layer time: the projection errs high by "
+    "(layers_full / N - 1) times its few us). Speculative round: split in time order at its sample calls "
+    "(round_split_us: draft = up to the k-th, verify = up to the (k+1)-th, commit = up to the head catch-up's "
+    "first GEMM, catch-up = the rest); round_ms_full_projection = round_ms + (layers_full / N - 1) * "
+    "(verify_us - verify_fixed_us + commit_us), verify_fixed_us = the verify's lm_head and sample kernel "
+    "time; the draft and the catch-up run the head only and do not scale with the main model's layers. Check: "
+    "the same command without --layers measures the full decode step")
 
 
 def copy_bandwidth(device, mib: int = 2048) -> float:
@@ -338,10 +349,16 @@ def bench_batch(model, weights, B: int, args, dev, bw: float) -> dict:
             r["region_fraction_of_bandwidth"] = {k: round(nb / (reg[k] * 1e-6) / bw, 3)
                                                  for k, nb in region_bytes(model, B).items() if reg.get(k)}
             if cfg.num_layers < args.layers_full:    # --layers: projected to the full depth (res["method"])
-                fixed_ms = (reg["largest_single_gemm(lm_head)"] + reg.get("sampling", 0.0)) / 1e3
-                per_layer_ms = (replay_ms - fixed_ms) / cfg.num_layers
-                r.update({"fixed_ms_lm_head_sampling": round(fixed_ms, 4), "per_layer_ms": round(per_layer_ms, 4),
-                          "step_ms_full_projection": round(fixed_ms + per_layer_ms * args.layers_full, 3)})
+                from onegraph.tools.bench_big_spec import decode_layers_us, device_events
+                try:
+                    spans = [decode_layers_us(e) for e in device_events(lambda: cap.step(rows, pos, samp), 5)]
+                except ValueError as e:
+                    r["projection_error"] = str(e)
+                else:
+                    per_layer_ms = sum(spans) / len(spans) / 1e3 / cfg.num_layers
+                    r.update({"layers_span_ms": round(per_layer_ms * cfg.num_layers, 4),
+                              "per_layer_ms": round(per_layer_ms, 4), "step_ms_full_projection": round(
+                                  replay_ms + (args.layers_full - cfg.num_layers) * per_layer_ms, 3)})
         else:                                   # the same steps, so the collectives pair up
             for _ in range(10):
                 cap.step(rows, pos, samp)
@@ -486,8 +503,8 @@ def main(argv=None) -> int:
         log(json.dumps(r))
         save()                                           # partial results survive a kill
     if args.speculative_tokens:
-        from onegraph.tools.bench_big_spec import NO_ACCEPTANCE, bench_round
-        res["speculation"], res["acceptance"] = [], NO_ACCEPTANCE
+        from onegraph.tools.bench_big_spec import NO_ACCEPTANCE, ROUND_VS_DECODE, bench_round
+        res["speculation"], res["acceptance"], res["round_vs_decode"] = [], NO_ACCEPTANCE, ROUND_VS_DECODE
         for B, decode_row in zip(args.batch, res["batches"]):
             for k in args.speculative_tokens:
                 r = bench_round(model, weights, B, k, args, dev, decode_row, (res["copy_bandwidth_GBps"] or 0) * 1e9,

@@ -23,10 +23,17 @@ import time
 
 import torch
 
+from .bench_big import REGIONS
+
 ACCEPTANCE_LENGTHS = (2.0, 2.5, 3.0, 3.4)
 NO_ACCEPTANCE = ("random weights: the MTP head and the main model are unrelated random networks, so their "
                  "acceptance is meaningless; none is measured or reported. ms_per_token_at_acceptance uses "
                  "assumed acceptance lengths (tokens per round = accepted drafts + 1)")
+
+ROUND_VS_DECODE = ("round_ms is one replay of the round graph with static rows and sampling inputs and its "
+                   "next_ids scattered into last_tok on the device; the decode step it is compared with is the "
+                   "runtime's captured step, which also copies its host staging in and its ids out (a few us of "
+                   "small copies the round does not pay)")
 
 
 @torch.no_grad()
@@ -68,7 +75,9 @@ class Round:
     """The round graph called for rows 0..B-1 (greedy sampling): tokens = last_tok[slots] before it,
     last_tok[slots] = next_ids after it, both on the device. capture=True (CUDA): warm-up and capture on a
     side stream with every row at the scratch slot (the round resets the scratch slot's position), then
-    the static slots are pointed at rows 0..B-1; a round is then one graph replay."""
+    the static slots are pointed at rows 0..B-1; a round is then one graph replay. Rows and sampling are
+    static here, where the decode step (CapturedDecode) also copies its host staging in and its ids out
+    (a few small copies in its graph): ROUND_VS_DECODE."""
 
     def __init__(self, graph, B: int, state: list, last_tok: torch.Tensor, scratch: int, dev, capture: bool):
         from onegraph.custom_ops.sample import Sampling
@@ -153,7 +162,7 @@ def timed(step, n: int, dev) -> float:
     return (time.perf_counter() - t) / n * 1e3
 
 
-GEMM = ("gemm", "gemv", "nvjet", "cutlass", "sm90", "xmma", "splitk")     # bench_big.REGIONS' "gemm"
+GEMM = dict(REGIONS)["gemm"]                                               # cuBLAS GEMMs, the projection GEMV
 SAMPLE = ("_scan_kernel", "_pick_kernel")                                  # ops.sample's two kernels
 
 
@@ -182,19 +191,37 @@ def split_round(events: list, k: int) -> dict:
             "verify_lm_head_us": lm, "verify_fixed_us": lm + samp, "kernels": len(events)}
 
 
-def profile_round(step, n: int, k: int) -> dict:
-    """The torch profiler over n rounds, one profiling session per round (so every session's device events
-    are one round's) -> the mean of split_round over them (µs)."""
+def device_events(step, n: int) -> list[list[tuple]]:
+    """n calls of step(), one torch-profiler session each (so a session's device events are one call's)
+    -> per call its device events (kernels, copies) as (name, start_us, end_us) in time order."""
     from torch.profiler import ProfilerActivity, profile
-    parts = []
+    calls = []
     for _ in range(n):
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
-        evs = sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-                      if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e[1])
-        parts.append(split_round(evs, k))
+        calls.append(sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                             if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e[1]))
+    return calls
+
+
+def decode_layers_us(events: list) -> float:
+    """One decode step's device events in time order -> the span of its layers: from the end of its first
+    Triton kernel (Inductor's triton_* or a hand-written _* kernel: the embedding gather, after the
+    runtime's copies and token gather) to the start of lm_head (the step's longest GEMM), launch gaps
+    included; the final norm is the one kernel of the span that is not a layer's."""
+    lm = max((i for i, e in enumerate(events) if any(p in e[0].lower() for p in GEMM)),
+             key=lambda i: events[i][2] - events[i][1], default=None)
+    first = next((i for i, e in enumerate(events) if e[0].startswith(("triton_", "_"))), None)
+    if lm is None or first is None or first >= lm:
+        raise ValueError("no Triton kernel before the step's longest GEMM (lm_head): cannot bound its layers")
+    return events[lm][1] - events[first][2]
+
+
+def profile_round(step, n: int, k: int) -> dict:
+    """n profiled rounds (device_events) -> the mean of split_round over them (µs)."""
+    parts = [split_round(evs, k) for evs in device_events(step, n)]
     return {key: round(sum(p[key] for p in parts) / n, 1) for key in parts[0]}
 
 
