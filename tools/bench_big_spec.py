@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from .bench_big import REGIONS
+from .bench_big import REGIONS, _sync
 
 ACCEPTANCE_LENGTHS = (2.0, 2.5, 3.0, 3.4)
 NO_ACCEPTANCE = ("random weights: the MTP head and the main model are unrelated random networks, so their "
@@ -144,11 +144,6 @@ def round_parity(model, k: int, rnd: Round, state: list, last_tok: torch.Tensor)
             "min_router_margin": round(min(margins, default=float("inf")), 5),
             "rule": "exact match of every output; a difference is read against min_router_margin (random "
                     "routers' near-ties, as the decode parity's rows_ids_differ)"}
-
-
-def _sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def timed(step, n: int, dev) -> float:
