@@ -11,6 +11,8 @@ One file per op (kernel + launcher + triton_op), sharing `_common.py`:
   gdn_prefill.py       chunked delta rule: WY/UT transform, sequential state pass, output (3 kernels)
   fused_moe.py         routing from the given router logits, SwiGLU(gate_up) and down + combine
   fused_moe_prefill.py the T*k > E path of fused_moe: grouped GEMM over pairs sorted by expert
+  fused_moe_fp8.py     fused_moe with block-FP8 experts (e4m3 bytes, block scales folded into the activations)
+  fused_moe_fp8_prefill.py  its T*k > E path: the grouped GEMMs with e4m3 tiles, scaled per K step
   attention_decode.py  GQA flash-decoding (split over the KV length) + combine
   attention_prefill.py causal GQA flash attention of a chunk over its slot's KV cache
   norms.py             rms_norm, add_rms_norm, gated_rms_norm row kernels
@@ -37,5 +39,6 @@ else:
     AVAILABLE = True
     IMPORT_ERROR = None
     from . import (add_rms_norm_linear, attention_decode, attention_prefill, causal_conv, fused_moe,  # noqa: F401
+                   fused_moe_fp8,
                    linear, gdn_decode_step, gdn_decode_step_norm, gdn_prefill, linear_fp8, linear_w8a8, norms,
                    qk_norm_rope, rope, sample)

@@ -1,0 +1,163 @@
+"""Prefill path of the Triton fused_moe_fp8 lowering (contract: custom_ops/fused_moe_fp8.py): T*top_k > E.
+fused_moe_prefill.py's algorithm (block table of expert-sorted pairs, grouped SwiGLU GEMM, grouped down GEMM,
+the shared expert as one group, the combine kernel: the last three and the combine reused from there) with
+e4m3 weight tiles.
+
+Per K step a [BK, BN] e4m3 weight tile is upcast to x.dtype (exact: every e4m3 value is a bf16, fp16 and fp32
+value) and multiplied on the tensor cores into a fresh fp32 partial, which is scaled by the tile's one block
+scale and added to the accumulator: BN and BK are powers of two <= 64, so a tile lies in one 128x128 block.
+That is the reference's fp32 weight values fp32(q) * s up to fp32 summation order (linear_fp8's prefill rule),
+without writing a dequantized copy of the experts; the roundings to x.dtype are fused_moe_prefill's.
+Scale tables: gate_up_scale [E, 2*ceil(I/128), ceil(H/128)] (up rows' block rows start at ceil(I/128));
+down_scale [E, ceil(H/128), ceil(I/128)]; the shared expert's 2-D tables are one group (expert stride 0).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..linear_fp8 import BLOCK
+from ._common import INTERPRETED, launch as _launch, mma, next_pow2, rnd, to_dt
+from .fused_moe_prefill import BH_COMBINE, BK_MAX, BM_MAX, BN_MAX, _block_table, _combine_kernel, _strides3, _tile
+
+
+@triton.jit
+def _grouped_swiglu_fp8_kernel(x, src, blk_e, blk_row, blk_end, wg, wu, sg, su, act,
+                               s_x_t, s_x_h, s_g_e, s_g_n, s_g_h, s_u_e, s_u_n, s_u_h,
+                               s_sg_e, s_sg_n, s_su_e, s_su_n, u0, ub0,
+                               H: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, SB: tl.constexpr,
+                               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
+    """act[r, n-tile] for the sorted rows r of block b; gate rows n of wg[e] (scale block row n // 128 of
+    sg[e]), up rows u0 + n of wu[e] (scale block row ub0 + n // 128 of su[e]); scale tables contiguous in H."""
+    b = tl.program_id(0)
+    nb = tl.program_id(1)
+    DT: tl.constexpr = x.dtype.element_ty
+    r0 = tl.load(blk_row + b)
+    r1 = tl.load(blk_end + b)
+    if r0 < r1:                                       # blocks past the last tile have no rows
+        e = tl.load(blk_e + b)                        # int64: 64-bit weight offsets
+        rows = r0 + tl.arange(0, BM)
+        mr = rows < r1
+        tok = tl.load(src + rows, mask=mr, other=0) // TOPK              # [BM] pair -> token
+        cols = nb * BN + tl.arange(0, BN)             # [BN] intermediate channels, one 128-row block
+        mc = cols < N
+        x_rows = x + tok[:, None] * s_x_t
+        g_cols = wg + e * s_g_e + cols[None, :] * s_g_n
+        u_cols = wu + e * s_u_e + (u0 + cols[None, :]) * s_u_n
+        cb = (nb * BN) // SB
+        sg_row = sg + e * s_sg_e + cb * s_sg_n
+        su_row = su + e * s_su_e + (ub0 + cb) * s_su_n
+        acc_g = tl.zeros([BM, BN], tl.float32)
+        acc_u = tl.zeros([BM, BN], tl.float32)
+        for h0 in range(0, H, BK):
+            kk = h0 + tl.arange(0, BK)
+            mk = kk < H
+            xa = tl.load(x_rows + kk[None, :] * s_x_h, mask=mr[:, None] & mk[None, :], other=0.0)    # [BM, BK]
+            mw = mk[:, None] & mc[None, :]
+            g = tl.load(g_cols + kk[:, None] * s_g_h, mask=mw, other=0.0).to(DT)                   # [BK, BN]
+            u = tl.load(u_cols + kk[:, None] * s_u_h, mask=mw, other=0.0).to(DT)
+            acc_g += mma(xa, g, tl.zeros([BM, BN], tl.float32), DOT_F32) * tl.load(sg_row + h0 // SB)
+            acc_u += mma(xa, u, tl.zeros([BM, BN], tl.float32), DOT_F32) * tl.load(su_row + h0 // SB)
+        g = rnd(acc_g, DT)                            # F.linear output in x.dtype
+        u = rnd(acc_u, DT)
+        a = rnd(rnd(g * tl.sigmoid(g), DT) * u, DT)   # silu in x.dtype, then the product
+        tl.store(act + rows[:, None] * N + cols[None, :], to_dt(a, DT), mask=mr[:, None] & mc[None, :])
+
+
+@triton.jit
+def _grouped_down_fp8_kernel(act, src, wts, blk_e, blk_row, blk_end, wd, sd, out,
+                             s_d_e, s_d_n, s_d_k, s_sd_e, s_sd_n,
+                             K: tl.constexpr, H: tl.constexpr, HAS_W: tl.constexpr, SB: tl.constexpr,
+                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
+    """out[src[r], n-tile] = rnd(act[r] . wd[e, n-tile]) (* wts[src[r]], rounded), wd e4m3 with the scales of
+    sd[e]'s block row n // 128 (contiguous in K blocks)."""
+    b = tl.program_id(0)
+    nb = tl.program_id(1)
+    DT: tl.constexpr = out.dtype.element_ty          # the rounding dtype: x.dtype, or fp32 (fp32_out)
+    AT: tl.constexpr = act.dtype.element_ty
+    r0 = tl.load(blk_row + b)
+    r1 = tl.load(blk_end + b)
+    if r0 < r1:
+        e = tl.load(blk_e + b)
+        rows = r0 + tl.arange(0, BM)
+        mr = rows < r1
+        cols = nb * BN + tl.arange(0, BN)             # [BN] output channels (H), one 128-row block
+        mc = cols < H
+        d_cols = wd + e * s_d_e + cols[None, :] * s_d_n
+        s_row = sd + e * s_sd_e + ((nb * BN) // SB) * s_sd_n
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            mk = kk < K
+            a = tl.load(act + rows[:, None] * K + kk[None, :], mask=mr[:, None] & mk[None, :], other=0.0)  # [BM, BK]
+            d = tl.load(d_cols + kk[:, None] * s_d_k, mask=mk[:, None] & mc[None, :], other=0.0).to(AT)   # [BK, BN]
+            acc += mma(a, d, tl.zeros([BM, BN], tl.float32), DOT_F32) * tl.load(s_row + k0 // SB)
+        y = rnd(acc, DT)                              # F.linear(act, down[e]) in x.dtype
+        dst = tl.load(src + rows, mask=mr, other=0)
+        if HAS_W:
+            y = rnd(y * tl.load(wts + dst, mask=mr, other=0.0).to(tl.float32)[:, None], DT)      # y_e * w_e
+        tl.store(out + dst[:, None] * H + cols[None, :], to_dt(y, DT), mask=mr[:, None] & mc[None, :])
+
+
+def _strides2(t: torch.Tensor):
+    """(expert, block row) strides of a scale table; 2-D (shared expert): expert stride 0."""
+    return t.stride()[:2] if t.dim() == 3 else (0, t.stride(0))
+
+
+def _grouped_swiglu(x, ids, E, wg, wu, sg, su, u0, ub0, N, topk, launch):
+    R, H = ids.shape[0], x.shape[1]
+    BM = _tile(triton.cdiv(R, E), BM_MAX)
+    src, blk_e, blk_row, blk_end = _block_table(ids, E, BM)
+    act = torch.empty((R, N), dtype=x.dtype, device=x.device)
+    BN, BK = _tile(N, BN_MAX), _tile(H, BK_MAX)
+    launch(_grouped_swiglu_fp8_kernel, (blk_e.shape[0], triton.cdiv(N, BN)),
+           x, src, blk_e, blk_row, blk_end, wg, wu, sg, su, act,
+           *x.stride(), *_strides3(wg), *_strides3(wu), *_strides2(sg), *_strides2(su), u0, ub0,
+           H=H, N=N, TOPK=topk, SB=BLOCK, BM=BM, BN=BN, BK=BK, DOT_F32=INTERPRETED, num_warps=4)
+    return act, src, (blk_e, blk_row, blk_end), BM
+
+
+def _grouped_down(act, src, blocks, BM, wd, sd, wts, out, launch):
+    K, H = act.shape[1], out.shape[1]
+    BN, BK = _tile(H, BN_MAX), _tile(K, BK_MAX)
+    launch(_grouped_down_fp8_kernel, (blocks[0].shape[0], triton.cdiv(H, BN)),
+           act, src, wts if wts is not None else act, *blocks, wd, sd, out, *_strides3(wd), *_strides2(sd),
+           K=K, H=H, HAS_W=wts is not None, SB=BLOCK, BM=BM, BN=BN, BK=BK, DOT_F32=INTERPRETED, num_warps=4)
+
+
+def fused_moe_fp8_prefill(x, w, idx, gate_up, gate_up_scale, down, down_scale, shared_gate, shared_gate_scale,
+                          shared_up, shared_up_scale, shared_down, shared_down_scale, logits, out_dtype=None,
+                          launch=_launch):
+    """x [T, H], w [T, k] x.dtype, idx [T, k] int64 (the routing), the op's FP8 weights and scales, logits
+    [T, E + 1] -> y [T, H] in out_dtype (None: x.dtype). `launch`: the caller's module-level launcher."""
+    if BLOCK % BN_MAX or BLOCK % BK_MAX:
+        raise ValueError(f"fused_moe_fp8 prefill: tiles must divide {BLOCK}, got BN {BN_MAX} and BK {BK_MAX}")
+    out_dtype = out_dtype or x.dtype
+    T, H = x.shape
+    k = idx.shape[1]
+    E, I2, _ = gate_up.shape
+    I, Is = I2 // 2, shared_gate.shape[0]
+    P = T * k
+    gus, ds, sgs, sus, sds = (s.contiguous() for s in (gate_up_scale, down_scale, shared_gate_scale,
+                                                       shared_up_scale, shared_down_scale))
+    idx, perm = idx.sort(dim=1)                                      # [T, k] ascending expert per token
+    w = w.gather(1, perm).reshape(P).contiguous()
+    ids = idx.reshape(P).contiguous()
+
+    act, src, blocks, BM = _grouped_swiglu(x, ids, E, gate_up, gate_up, gus, gus, u0=I, ub0=triton.cdiv(I, BLOCK),
+                                           N=I, topk=k, launch=launch)
+    y_pair = torch.empty((P, H), dtype=out_dtype, device=x.device)
+    _grouped_down(act, src, blocks, BM, down, ds, w, y_pair, launch)
+
+    zeros = torch.zeros(T, dtype=torch.int64, device=x.device)
+    act_sh, src_sh, blocks_sh, BM_sh = _grouped_swiglu(x, zeros, 1, shared_gate, shared_up, sgs, sus, u0=0, ub0=0,
+                                                        N=Is, topk=1, launch=launch)
+    y_sh = torch.empty((T, H), dtype=out_dtype, device=x.device)
+    _grouped_down(act_sh, src_sh, blocks_sh, BM_sh, shared_down, sds, None, y_sh, launch)
+
+    y = torch.empty((T, H), dtype=out_dtype, device=x.device)
+    BH = min(BH_COMBINE, next_pow2(H))
+    launch(_combine_kernel, (T, triton.cdiv(H, BH)),
+           logits, y_pair, y_sh, y, logits.stride(0), *y.stride(), H=H, E=E, TOPK=k, BH=BH, num_warps=4)
+    return y

@@ -1,0 +1,204 @@
+"""fused_moe_fp8 (custom_ops/fused_moe_fp8.py) and its Triton lowering (custom_ops/triton/fused_moe_fp8.py, the
+decode kernels; fused_moe_fp8_prefill.py, T*k > E): block-FP8 experts read as e4m3 with in-kernel scales.
+
+Where the kernels run: as in test_triton_ops.py (Triton's CPU interpreter without CUDA; compiled with CUDA,
+plus the `cuda`-marked test at the 35B-A3B shape).
+Shapes have several 128-blocks along H and I, partial edge blocks, and I not a multiple of 128 (so gate_up's
+scale table is the gate rows' block rows then the up rows', not the grid of [2I, H]).
+Two scale patterns:
+- powers of two, different in every block (2^-9 .. 2^0): every dequantized weight fp32(q) * s is then a bf16
+  value, and (x * s) . q == x . (q * s) exactly, so the kernels must equal fused_moe's bf16 kernels run on the
+  dequantized weights (independent code, same tiles) — bit for bit on the interpreter. A scale read from the
+  wrong block (row or column, gate or up, routed or shared) scales the weights by another power of two.
+- amax / 448 per block, as a checkpoint stores (arbitrary fp32): against the op's reference.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from onegraph.custom_ops import PYTHON_CALLS, decompositions
+from onegraph.custom_ops.fused_moe import reference_fused_moe
+from onegraph.custom_ops.fused_moe_fp8 import dequantize_gate_up, reference_fused_moe_fp8
+from onegraph.custom_ops.linear_fp8 import dequantize_blocks
+
+from triton_env import CUDA, DEVICE, HAVE_TRITON, INTERPRETED, cuda_us, kernels, needs_triton  # noqa: F401
+
+ops = torch.ops.onegraph
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+
+
+def cuda_test(fn):
+    fn = pytest.mark.skipif(not (CUDA and HAVE_TRITON), reason="needs a CUDA device and triton")(fn)
+    return pytest.mark.cuda(fn)
+
+
+def nb(n):
+    return math.ceil(n / 128)
+
+
+def quantize(w):
+    """w [..., N, K] fp32 -> (q e4m3, scale [..., ceil(N/128), ceil(K/128)] fp32): amax / 448 per block, the rule
+    of graphs/quant.py `quantize` (and of transformers' quantizer up to the reciprocal)."""
+    *lead, n, k = w.shape
+    pad = torch.zeros(*lead, nb(n) * 128, nb(k) * 128)
+    pad[..., :n, :k] = w
+    amax = pad.view(*lead, nb(n), 128, nb(k), 128).abs().amax(dim=(-3, -1))
+    scale = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
+    full = scale.repeat_interleave(128, -2).repeat_interleave(128, -1)[..., :n, :k]
+    return (w / full).clamp(-448, 448).to(FP8), scale
+
+
+def weight(shape, pow2, g):
+    """An FP8 weight [..., N, K] whose dequantized values are O(1 / sqrt(K)) -> (q, scale). pow2: e4m3 values
+    ~ N(0, 8^2) and a power-of-two scale per block, 2^-c .. 2^-(c+4) (c: the magnitude), so a block's weights
+    differ from its neighbours' by up to 16x; else checkpoint-like amax / 448 scales."""
+    *lead, n, k = shape
+    if not pow2:
+        return quantize(torch.randn(*shape, generator=g) * k ** -0.5)
+    q = (torch.randn(*shape, generator=g) * 8).clamp(-448, 448).to(FP8)
+    c = round(math.log2(8 * math.sqrt(k)))
+    return q, torch.exp2(-(c + torch.randint(0, 5, (*lead, nb(n), nb(k)), generator=g)).float())
+
+
+def fp8_args(T, H, E, I, Is, top_k, dtype, seed, pow2):
+    """-> (fused_moe_fp8 args, fused_moe args with the dequantized weights rounded to dtype: exact for pow2)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    logits = torch.randn(T, E + 1, generator=g).to(dtype)
+    (gq, gs), (uq, us) = weight((E, I, H), pow2, g), weight((E, I, H), pow2, g)
+    gate_up, gate_up_scale = torch.cat([gq, uq], 1), torch.cat([gs, us], 1)    # [E, 2I, H], [E, 2*nb(I), nb(H)]
+    down, down_scale = weight((E, H, I), pow2, g)
+    sg, sg_s = weight((Is, H), pow2, g)
+    su, su_s = weight((Is, H), pow2, g)
+    sd, sd_s = weight((H, Is), pow2, g)
+    dev = lambda *ts: [t.to(DEVICE) for t in ts]
+    args = [*dev(x, logits, gate_up, gate_up_scale, down, down_scale, sg, sg_s, su, su_s, sd, sd_s), top_k]
+    deq = [dequantize_gate_up(gate_up, gate_up_scale), dequantize_blocks(down, down_scale),
+           dequantize_blocks(sg, sg_s), dequantize_blocks(su, su_s), dequantize_blocks(sd, sd_s)]
+    float_args = [*dev(x, logits, *(w.to(dtype) for w in deq)), top_k]
+    return args, float_args
+
+
+def compare(got, ref, atol, max_frac, what):
+    """max |got - ref| <= atol and at most a fraction `max_frac` of the elements differ at all."""
+    got, ref = got.float().cpu(), ref.float().cpu()
+    assert got.shape == ref.shape, f"{what}: shape {list(got.shape)} != {list(ref.shape)}"
+    assert torch.isfinite(got).all() and torch.isfinite(ref).all(), f"{what}: non-finite values"
+    diff = (got - ref).abs()
+    err, frac = diff.max().item(), (diff > 0).float().mean().item()
+    assert err <= atol, f"{what}: max abs error {err:.3g} > {atol:.3g}"
+    assert frac <= max_frac, f"{what}: {frac:.2%} of elements differ (allowed {max_frac:.2%})"
+
+
+# (T, H, E, I, Is, top_k): B = 1 and a B > 1 decode batch (T*k <= E: the decode kernels), and T*k > E (the grouped
+# GEMMs). H = 192: 2 column blocks, the second partial; I = 136: gate and up 2 block rows each, the second
+# partial; Is = 136 likewise (shared gate / up; the shared down's column blocks).
+SHAPES = [(1, 192, 8, 136, 136, 2), (2, 192, 8, 136, 136, 2), (6, 192, 8, 136, 136, 2)]
+
+
+def test_reference_is_fused_moe_on_the_dequantized_weights():
+    """Pure torch: with power-of-two block scales the FP8 reference (fp32 weights, products rounded to bf16)
+    equals fused_moe's bf16 reference on the dequantized weights up to summation order, in both branches."""
+    for T, H, E, I, Is, k in SHAPES[::2]:
+        args, float_args = fp8_args(T, H, E, I, Is, k, BF16, seed=T, pow2=True)
+        args, float_args = [a.cpu() if torch.is_tensor(a) else a for a in args], \
+                           [a.cpu() if torch.is_tensor(a) else a for a in float_args]
+        compare(reference_fused_moe_fp8(*args), reference_fused_moe(*float_args), 4e-2, 0.05, f"T={T}")
+
+
+@needs_triton
+@pytest.mark.parametrize("T,H,E,I,Is,top_k,fp32_out", [(*SHAPES[0], False), (*SHAPES[0], True), (*SHAPES[1], False),
+                                                       (*SHAPES[2], False), (*SHAPES[2], True)])
+def test_kernels_equal_the_bf16_kernels_on_dequantized_weights(T, H, E, I, Is, top_k, fp32_out):
+    """Power-of-two block scales: the FP8 kernels compute exactly what fused_moe's bf16 kernels compute on the
+    dequantized weights (decode: same tiles and summation order; prefill: the per-K-tile scale is exact), so
+    a scale from a wrong block shows as a large difference. Interpreter: bit for bit; GPU: tensor-core
+    accumulation order may flip a rounding."""
+    args, float_args = fp8_args(T, H, E, I, Is, top_k, BF16, seed=10 + T, pow2=True)
+    got = ops.fused_moe_fp8_triton(*args, fp32_out)
+    want = ops.fused_moe_triton(*float_args, fp32_out)
+    assert got.dtype == want.dtype == (torch.float32 if fp32_out else BF16)
+    if INTERPRETED:
+        assert torch.equal(got, want), f"T={T}: max diff {(got.float() - want.float()).abs().max().item():.3g}"
+    else:
+        compare(got, want, 3e-2, 0.02, f"T={T}")
+    # and the reference agrees (up to fp32 summation order before each bf16 rounding)
+    ref = reference_fused_moe_fp8(*args, fp32_out)
+    if fp32_out:     # activations rounded to bf16 as there, the rest fp32 in another summation order
+        compare(got, ref, 1e-4, 1.0, f"T={T} fp32_out vs reference")
+    else:
+        compare(got, ref, 4e-2, 0.05, f"T={T} vs reference")
+
+
+@needs_triton
+@pytest.mark.parametrize("T,H,E,I,Is,top_k", SHAPES[::2])
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_kernels_match_reference_with_checkpoint_scales(T, H, E, I, Is, top_k, dtype):
+    """amax / 448 block scales (arbitrary fp32, as checkpoints store them): the kernels against the op's
+    reference. bf16: a rounding may flip where the fp32 sums differ in the last bits; fp32: 1e-4."""
+    args, _ = fp8_args(T, H, E, I, Is, top_k, dtype, seed=20 + T, pow2=False)
+    got, ref = ops.fused_moe_fp8_triton(*args), reference_fused_moe_fp8(*args)
+    assert got.dtype == dtype
+    if dtype == BF16:
+        compare(got, ref, 3e-2, 0.05, f"T={T}")
+    else:
+        compare(got, ref, 1e-4, 1.0, f"T={T}")
+
+
+def test_validation_names_the_bad_scale():
+    args, _ = fp8_args(1, 192, 8, 136, 136, 2, BF16, seed=0, pow2=True)
+    bad = list(args)
+    bad[3] = args[3][:, :2]                               # gate_up_scale with the up rows' block rows missing
+    with pytest.raises(ValueError, match="gate_up_scale"):
+        torch.ops.onegraph.fused_moe_fp8(*bad)
+    bad = list(args)
+    bad[4] = args[4].to(BF16)                             # down not e4m3
+    with pytest.raises(ValueError, match="fused_moe_fp8 down"):
+        torch.ops.onegraph.fused_moe_fp8(*bad)
+
+
+def test_cpu_lowering_is_the_reference():
+    """CPU export decomposes the op into its reference (dequantize + fused_moe's roundings): CI runs the path."""
+    table = decompositions("cpu")
+    assert table[torch.ops.onegraph.fused_moe_fp8.default] is reference_fused_moe_fp8
+
+
+@needs_triton
+def test_export_swaps_in_the_triton_op():
+    """The CUDA table maps the op to its triton_op; traced graphs keep it (no Python reference left)."""
+    table = decompositions("cuda")
+    assert table[torch.ops.onegraph.fused_moe_fp8.default] is torch.ops.onegraph.fused_moe_fp8_triton.default
+    args, _ = fp8_args(1, 192, 8, 136, 136, 2, BF16, seed=1, pow2=True)
+
+    class M(torch.nn.Module):
+        def forward(self, *a):
+            return torch.ops.onegraph.fused_moe_fp8(*a, 2)
+
+    before = PYTHON_CALLS["fused_moe_fp8"]
+    ep = torch.export.export(M(), tuple(args[:-1])).run_decompositions(table)
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert "onegraph.fused_moe_fp8_triton.default" in targets, targets
+    assert PYTHON_CALLS["fused_moe_fp8"] == before
+
+
+# ---------------------------------------------------------------- CUDA: the 35B-A3B shape
+
+@cuda_test
+@pytest.mark.parametrize("T", [1, 8, 64])
+def test_fused_moe_fp8_35b(T):
+    """H = 2048, I = Is = 512, E = 256, top-8: T = 1, 8 run the decode kernels, T = 64 (T*k > E) the grouped
+    GEMMs. Power-of-two scales: against the bf16 kernels on the dequantized weights; checkpoint scales:
+    against the reference. Prints the µs of both ops (orientation; .dev/moe_fp8_bench.py measures)."""
+    args, float_args = fp8_args(T, 2048, 256, 512, 512, 8, BF16, seed=T, pow2=True)
+    got = ops.fused_moe_fp8_triton(*args)
+    compare(got, ops.fused_moe_triton(*float_args), 3e-2, 0.02, f"35B T={T} vs bf16 kernels")
+    compare(got, reference_fused_moe_fp8(*args), 3e-2, 0.05, f"35B T={T} vs reference")
+    compare(ops.fused_moe_fp8_triton(*args, True), reference_fused_moe_fp8(*args, True), 3e-3, 1.0,
+            f"35B T={T} fp32_out")
+    args, _ = fp8_args(T, 2048, 256, 512, 512, 8, BF16, seed=100 + T, pow2=False)
+    compare(ops.fused_moe_fp8_triton(*args), reference_fused_moe_fp8(*args), 3e-2, 0.05, f"35B T={T} checkpoint scales")
+    print(f"35B T={T}: fused_moe_fp8 {cuda_us(lambda: ops.fused_moe_fp8_triton(*args)):.1f} us, "
+          f"fused_moe bf16 {cuda_us(lambda: ops.fused_moe_triton(*float_args)):.1f} us")
