@@ -43,7 +43,7 @@ def quantize(w):
     """w [..., N, K] fp32 -> (q e4m3, scale [..., ceil(N/128), ceil(K/128)] fp32): amax / 448 per block, the rule
     of graphs/quant.py `quantize` (and of transformers' quantizer up to the reciprocal)."""
     *lead, n, k = w.shape
-    pad = torch.zeros(*lead, nb(n) * 128, nb(k) * 128)
+    pad = torch.zeros(*lead, nb(n) * 128, nb(k) * 128, device=w.device)
     pad[..., :n, :k] = w
     amax = pad.view(*lead, nb(n), 128, nb(k), 128).abs().amax(dim=(-3, -1))
     scale = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
@@ -57,28 +57,28 @@ def weight(shape, pow2, g):
     differ from its neighbours' by up to 16x; else checkpoint-like amax / 448 scales."""
     *lead, n, k = shape
     if not pow2:
-        return quantize(torch.randn(*shape, generator=g) * k ** -0.5)
-    q = (torch.randn(*shape, generator=g) * 8).clamp(-448, 448).to(FP8)
+        return quantize(torch.randn(*shape, generator=g, device=g.device) * k ** -0.5)
+    q = (torch.randn(*shape, generator=g, device=g.device) * 8).clamp(-448, 448).to(FP8)
     c = round(math.log2(8 * math.sqrt(k)))
-    return q, torch.exp2(-(c + torch.randint(0, 5, (*lead, nb(n), nb(k)), generator=g)).float())
+    return q, torch.exp2(-(c + torch.randint(0, 5, (*lead, nb(n), nb(k)), generator=g, device=g.device)).float())
 
 
 def fp8_args(T, H, E, I, Is, top_k, dtype, seed, pow2):
-    """-> (fused_moe_fp8 args, fused_moe args with the dequantized weights rounded to dtype: exact for pow2)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=g).to(dtype)
-    logits = torch.randn(T, E + 1, generator=g).to(dtype)
+    """-> (fused_moe_fp8 args, fused_moe args with the dequantized weights rounded to dtype: exact for pow2),
+    made on DEVICE (the 35B shape's 1.6 GB of weights are drawn on the GPU)."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = torch.randn(T, H, generator=g, device=DEVICE).to(dtype)
+    logits = torch.randn(T, E + 1, generator=g, device=DEVICE).to(dtype)
     (gq, gs), (uq, us) = weight((E, I, H), pow2, g), weight((E, I, H), pow2, g)
     gate_up, gate_up_scale = torch.cat([gq, uq], 1), torch.cat([gs, us], 1)    # [E, 2I, H], [E, 2*nb(I), nb(H)]
     down, down_scale = weight((E, H, I), pow2, g)
     sg, sg_s = weight((Is, H), pow2, g)
     su, su_s = weight((Is, H), pow2, g)
     sd, sd_s = weight((H, Is), pow2, g)
-    dev = lambda *ts: [t.to(DEVICE) for t in ts]
-    args = [*dev(x, logits, gate_up, gate_up_scale, down, down_scale, sg, sg_s, su, su_s, sd, sd_s), top_k]
+    args = [x, logits, gate_up, gate_up_scale, down, down_scale, sg, sg_s, su, su_s, sd, sd_s, top_k]
     deq = [dequantize_gate_up(gate_up, gate_up_scale), dequantize_blocks(down, down_scale),
            dequantize_blocks(sg, sg_s), dequantize_blocks(su, su_s), dequantize_blocks(sd, sd_s)]
-    float_args = [*dev(x, logits, *(w.to(dtype) for w in deq)), top_k]
+    float_args = [x, logits, *(w.to(dtype) for w in deq), top_k]
     return args, float_args
 
 
