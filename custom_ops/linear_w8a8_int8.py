@@ -42,7 +42,9 @@ def _validate(x, w, scale):
 def row_scale(x: torch.Tensor, qmax: float) -> torch.Tensor:
     """x [M, K] -> s_x [M, 1] fp32 = amax |x[m]| / qmax (1 where a row is all zero)."""
     amax = x.float().abs().amax(dim=1, keepdim=True)
-    return torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    # divided by a tensor, not the Python number: CUDA's aten multiplies by the reciprocal of a scalar divisor
+    # (1 ulp off IEEE division for some amax), the Triton kernel divides (div_rn) as the CPU does
+    return torch.where(amax > 0, amax / torch.full_like(amax, qmax), torch.ones_like(amax))
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -70,6 +70,17 @@ def cuda_us(fn, reps: int = 50) -> float:
     return start.elapsed_time(end) * 1e3 / reps
 
 
+def package_copies(src: str) -> list[str]:
+    """The lines of an AOTInductor package's C++ source that copy a tensor (aoti_torch_clone*, aoti_torch_copy_),
+    except the wrapper's alignment guards: a graph input compiled as 16-byte aligned is cloned only if its
+    pointer is not aligned at run time (`aoti_torch_clone_preserve_strides(argN_1, &argN_1_aligned)` inside an
+    `if (... & (16 -1)) != 0`), which the state and the caches never are."""
+    import re
+    guard = re.compile(r"aoti_torch_clone_preserve_strides\((\w+), &\1_aligned\)")
+    return [ln.strip() for ln in src.splitlines()
+            if re.search(r"aoti_torch_clone|aoti_torch_copy_", ln) and not guard.search(ln)]
+
+
 def run_package_script(path, template: str, ok_line: str) -> None:
     """Writes `template` (formatted with tests= this folder) to `path`, runs it in a fresh Python and asserts it
     exits 0 having printed `ok_line`. A subprocess because on the H200 image loading an AOTInductor package
