@@ -17,8 +17,9 @@ rounding of fused_moe's reference — each projection computed in fp32 (bf16 x u
 x.dtype where fused_moe's bf16 matmul rounds its output, silu and the products in x.dtype, the routing
 and the combine as there. With scales that make every weight exactly a bf16 value (powers of two), this is
 fused_moe's reference on the dequantized weights up to summation order. Why fp32 weights and not the
-weights rounded to x.dtype: the Triton kernels fold the block scale into the 128 activations it multiplies
-(one multiply per 128 weights), so a weight costs one e4m3 convert and one FMA, as a bf16 weight does;
+weights rounded to x.dtype: the Triton kernels fold the block scale into the activations it multiplies (once
+per column of a weight tile, for all the tile's rows), so a weight costs one e4m3 convert and one FMA, as a
+bf16 weight does;
 rounding each dequantized weight to bf16 first would add conversions per weight on a bandwidth-bound path,
 and move the values away from the checkpoint's.
 CPU lowering: this reference traced to aten (CI covers the path). CUDA lowering: custom_ops/triton/

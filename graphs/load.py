@@ -139,6 +139,8 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: s
         for name, mod in model.named_modules():
             if quantfmt.is_fp8_module(name) and f"{name}.weight" in held:
                 quantfmt.make_quantized(mod, sch)
+        if sch.block:                                # e4m3 experts + shared expert: onegraph::fused_moe_fp8
+            quantfmt.make_fp8_moes(model, held)
     model.to_empty(device="cpu")
     model.inv_freq.copy_(Qwen35Model.rope_inv_freq(cfg))
     load_into(model, path, resolve_dtype(dtype), allow_unused, quant_method=method)

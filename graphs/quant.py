@@ -16,11 +16,13 @@ nearest e4m3.
 
 Which modules are FP8 in an artifact:
 - a pre-quantized checkpoint: exactly its e4m3 weights (the config's `modules_to_not_convert` are its
-  float weights), where the model runs that projection through `Linear` (FP8_MODULE below). Other e4m3
-  weights — routed experts, the shared expert (both read by fused_moe), lm_head, MTP — are dequantized at
-  load to the compute dtype, exactly dtype(fp32(q) * scale) per block, until their kernels take FP8.
-- `--quant fp8` on a float checkpoint: the FP8_MODULE projections except KEEP_FLOAT, quantized here (the
-  experts and the shared expert stay in the compute dtype until fused_moe takes FP8).
+  float weights), where the model runs that projection through `Linear` (FP8_MODULE below), and a MoE
+  layer's routed experts with its shared expert when all of them are e4m3 (onegraph::fused_moe_fp8; the
+  per-expert scales fused by fuse_expert_scales). Other e4m3 weights — lm_head, MTP, a MoE layer only partly
+  e4m3 — are dequantized at load to the compute dtype, exactly dtype(fp32(q) * scale) per block.
+- `--quant fp8` on a float checkpoint: the FP8_MODULE projections except KEEP_FLOAT, and every MoE layer's
+  routed experts (gate and up rows quantized apart, as a checkpoint stores them) and shared expert,
+  quantized here.
   Kept float, as the official format keeps them: embeddings and lm_head (vocab-sized, the logits' scale),
   norms (vectors), the router `mlp.gate` and `shared_expert_gate` (routing decisions flip on small
   changes), and the GDN `in_proj_a` / `in_proj_b` (32 rows each at 35B: a fraction of a block whose outputs
@@ -140,13 +142,13 @@ def check_pair(name: str, w: torch.Tensor, scale: torch.Tensor, scheme: Scheme |
 
 
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] float -> (q [N, K] e4m3, scale [ceil(N/128), ceil(K/128)] fp32), scale = amax / 448 per
-    block (1 for an all-zero block), q = e4m3(w / scale) rounded to nearest (|w / scale| <= 448)."""
-    n, k = w.shape
-    nb, kb = scale_shape(w.shape)
-    pad = torch.zeros(nb * BLOCK, kb * BLOCK, dtype=torch.float32, device=w.device)
-    pad[:n, :k] = w.float()
-    amax = pad.view(nb, BLOCK, kb, BLOCK).abs().amax(dim=(1, 3))                       # [nb, kb]
+    """w [..., N, K] float -> (q [..., N, K] e4m3, scale [..., ceil(N/128), ceil(K/128)] fp32), scale = amax / 448
+    per block (1 for an all-zero block), q = e4m3(w / scale) rounded to nearest (|w / scale| <= 448)."""
+    *lead, n, k = w.shape
+    nb, kb = scale_shape((n, k))
+    pad = torch.zeros(*lead, nb * BLOCK, kb * BLOCK, dtype=torch.float32, device=w.device)
+    pad[..., :n, :k] = w.float()
+    amax = pad.view(*lead, nb, BLOCK, kb, BLOCK).abs().amax(dim=(-3, -1))             # [..., nb, kb]
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (w.float() / expand_scale(scale, n, k)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
@@ -188,12 +190,100 @@ def make_fp8(lin: torch.nn.Module) -> None:
     make_quantized(lin, SCHEMES[METHOD])
 
 
+# A main-model SparseMoe (graphs/qwen3_5.py; the MTP head's stays float) and its expert scale parameters:
+# experts.gate_up_proj_scale_inv [E, 2*ceil(I/128), ceil(H/128)] (the gate rows' block scales, then the up
+# rows': the checkpoint's per-expert gate_proj / up_proj weight_scale_inv concatenated, exact at any I) and
+# experts.down_proj_scale_inv [E, ceil(H/128), ceil(I/128)], the layout onegraph::fused_moe_fp8 reads.
+MOE_MODULE = re.compile(r"^layers\.\d+\.mlp$")
+EXPERT_KEY = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+SHARED_PARTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def moe_modules(model: torch.nn.Module):
+    """(name, SparseMoe) of the main model's MoE layers."""
+    return [(n, m) for n, m in model.named_modules() if MOE_MODULE.match(n) and hasattr(m, "experts")]
+
+
+@torch.no_grad()
+def make_fp8_moe(moe: torch.nn.Module) -> None:
+    """A SparseMoe's routed experts and shared expert -> block FP8 (read by onegraph::fused_moe_fp8): gate_up_proj
+    [E, 2I, H] and down_proj [E, H, I] e4m3 with the scale parameters above, the shared expert's three `Linear`s
+    as make_fp8 (any device, meta included; the values are filled by the loader or quantize_moe)."""
+    ex = moe.experts
+    E, I2, H = ex.gate_up_proj.shape
+    nbi, nbh = math.ceil(I2 // 2 / BLOCK), math.ceil(H / BLOCK)
+    dev = ex.gate_up_proj.device
+    for name, shape, sshape in (("gate_up_proj", (E, I2, H), (E, 2 * nbi, nbh)),
+                                ("down_proj", (E, H, I2 // 2), (E, nbh, nbi))):
+        setattr(ex, name, torch.nn.Parameter(torch.empty(shape, dtype=FP8, device=dev), requires_grad=False))
+        setattr(ex, name + "_scale_inv", torch.nn.Parameter(torch.empty(sshape, dtype=torch.float32, device=dev),
+                                                            requires_grad=False))
+    for part in SHARED_PARTS:
+        make_fp8(getattr(moe.shared_expert, part))
+
+
+def make_fp8_moes(model: torch.nn.Module, held: set[str]) -> int:
+    """A pre-quantized checkpoint: every MoE layer whose routed experts and shared expert are all e4m3 in the
+    checkpoint (held: model-side names of its e4m3 weights) takes them as FP8 (make_fp8_moe); a layer with any
+    of them float keeps all float (the e4m3 ones dequantized at load). -> how many layers."""
+    n = 0
+    for name, moe in moe_modules(model):
+        want = [f"{name}.experts.0.{p}" for p in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")]
+        want += [f"{name}.shared_expert.{p}.weight" for p in SHARED_PARTS]
+        if all(w in held for w in want):
+            make_fp8_moe(moe)
+            n += 1
+    return n
+
+
+def fuse_expert_scales(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert `...experts.E.{gate,up,down}_proj.weight_scale_inv` (of experts kept e4m3) -> the fused
+    experts.gate_up_proj_scale_inv [E, 2*ceil(I/128), ceil(H/128)] and experts.down_proj_scale_inv; the other
+    tensors unchanged (the weights are fused by graphs/weights.py fuse_experts as float ones are)."""
+    per: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    out = {}
+    for k, v in tensors.items():
+        m = EXPERT_KEY.match(k[: -len("_scale_inv")]) if k.endswith("." + SCALE) else None
+        if m:
+            per.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = v
+        else:
+            out[k] = v
+    for prefix, experts in per.items():
+        n = max(experts) + 1
+        missing = [f"{prefix}.{e}.{p}_proj.{SCALE}" for e in range(n) for p in ("gate", "up", "down")
+                   if p not in experts.get(e, {})]
+        if missing:
+            raise QuantError(f"missing tensor {missing[0]!r} ({len(missing)} expert scales missing)")
+        out[f"{prefix}.gate_up_proj_scale_inv"] = torch.stack([torch.cat([experts[e]["gate"], experts[e]["up"]])
+                                                               for e in range(n)])
+        out[f"{prefix}.down_proj_scale_inv"] = torch.stack([experts[e]["down"] for e in range(n)])
+    return out
+
+
+@torch.no_grad()
+def quantize_moe(moe: torch.nn.Module) -> None:
+    """`--quant fp8` on a float SparseMoe: routed experts (gate rows and up rows quantized as the separate
+    [I, H] weights a checkpoint holds, so their blocks never straddle the two) and the shared expert, block FP8."""
+    ex, se = moe.experts, moe.shared_expert
+    I = ex.gate_up_proj.shape[1] // 2
+    (gq, gs), (uq, us) = quantize(ex.gate_up_proj[:, :I]), quantize(ex.gate_up_proj[:, I:])
+    dq, ds = quantize(ex.down_proj)
+    shared = [quantize(getattr(se, p).weight) for p in SHARED_PARTS]
+    make_fp8_moe(moe)
+    ex.gate_up_proj.data, ex.gate_up_proj_scale_inv.data = torch.cat([gq, uq], 1), torch.cat([gs, us], 1)
+    ex.down_proj.data, ex.down_proj_scale_inv.data = dq, ds
+    for p, (q, sc) in zip(SHARED_PARTS, shared):
+        getattr(se, p).weight.data, getattr(se, p).weight_scale_inv.data = q, sc
+
+
 def dequantize_unheld(tensors: dict[str, torch.Tensor], params: dict, dtype: torch.dtype,
-                      scheme: Scheme | None = None) -> dict:
+                      scheme: Scheme | None = None, target=None) -> dict:
     """Model-side tensors -> the same, where every quantized weight whose parameter is float (experts, shared
-    expert, lm_head, ...) is dequantized to `dtype` with its scale (dropped); quantized parameters keep
-    theirs (as fp32). Per-expert keys are still per expert here (weights.fuse_experts runs after)."""
+    expert, lm_head, ... unless the model holds them quantized) is dequantized to `dtype` with its scale
+    (dropped); quantized parameters keep theirs (as fp32). Per-expert keys are still per expert here
+    (weights.fuse_experts runs after): target(name) is the parameter a key fills (default: its own name)."""
     scheme = scheme or SCHEMES[METHOD]
+    target = target or (lambda name: name)
     out, n = {}, 0
     for name, t in tensors.items():
         if name.endswith("." + scheme.scale):
@@ -201,7 +291,8 @@ def dequantize_unheld(tensors: dict[str, torch.Tensor], params: dict, dtype: tor
         if t.dtype == scheme.qdtype and name.endswith("weight"):
             base = name[: -len("weight")]
             scale = check_pair(name, t, tensors[base + scheme.scale], scheme)
-            if name in params and params[name].dtype == scheme.qdtype:
+            p = params.get(target(name))
+            if p is not None and p.dtype == scheme.qdtype:
                 out[name], out[base + scheme.scale] = t, scale
             else:
                 out[name] = dequantize_any(t, scale, dtype, scheme)
@@ -210,7 +301,7 @@ def dequantize_unheld(tensors: dict[str, torch.Tensor], params: dict, dtype: tor
         out[name] = t
     if n:
         log.info("dequantized %d %s weights to %s at load, dtype(q * scale): those the model does not run "
-                 "quantized (routed and shared experts, lm_head, ... until their kernels take them; every one "
+                 "quantized (lm_head, MTP, experts outside block FP8, ... until their kernels take them; every one "
                  "with quant='none')", n, scheme.name, str(dtype).replace("torch.", ""))
     return out
 
@@ -219,9 +310,16 @@ def dequantize_unheld(tensors: dict[str, torch.Tensor], params: dict, dtype: tor
 def quantize_model(model: torch.nn.Module, scheme: str = METHOD) -> int:
     """`--quant fp8|int8|fp8-channel` on a loaded float model: every FP8_MODULE projection not in KEEP_FLOAT
     (and not quantized already) takes the scheme's weight and scale, quantized from the loaded weight (already
-    in the compute dtype: a bf16 checkpoint's own values). Runs before graphs/fuse.py concatenates. -> how many."""
+    in the compute dtype: a bf16 checkpoint's own values); block fp8 also every MoE layer's routed experts and
+    shared expert (quantize_moe: 5 weights a layer), as the official format. Runs before graphs/fuse.py
+    concatenates. -> how many weights."""
     sch = SCHEMES[scheme]
     n = 0
+    if sch.block:                                    # the official format's experts: fused_moe_fp8
+        for _, moe in moe_modules(model):
+            if moe.experts.gate_up_proj.dtype not in QUANT_DTYPES:
+                quantize_moe(moe)
+                n += 5
     for name, mod in model.named_modules():
         if not is_fp8_module(name) or KEEP_FLOAT.search(name) or mod.weight.dtype in QUANT_DTYPES:
             continue

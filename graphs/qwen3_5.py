@@ -275,8 +275,14 @@ class SparseMoe(nn.Module):
         return self.router.weight
 
     def forward(self, x, logits):
-        """x [N, H] (normed), logits [N, E + 1] = x @ router_weight.T -> [N, H]."""
-        se = self.shared_expert
+        """x [N, H] (normed), logits [N, E + 1] = x @ router_weight.T -> [N, H]. Block-FP8 experts and shared
+        expert (graphs/quant.py make_fp8_moe): the same through onegraph::fused_moe_fp8."""
+        se, ex = self.shared_expert, self.experts
+        if ex.gate_up_proj.dtype == torch.float8_e4m3fn:
+            return ops.fused_moe_fp8(x, logits, ex.gate_up_proj, ex.gate_up_proj_scale_inv, ex.down_proj,
+                                     ex.down_proj_scale_inv, se.gate_proj.weight, se.gate_proj.weight_scale_inv,
+                                     se.up_proj.weight, se.up_proj.weight_scale_inv, se.down_proj.weight,
+                                     se.down_proj.weight_scale_inv, self.top_k, self.fp32_out)
         return ops.fused_moe(x, logits, self.experts.gate_up_proj, self.experts.down_proj,
                              se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight, self.top_k, self.fp32_out)
 

@@ -271,7 +271,8 @@ def load_into(model: torch.nn.Module, path: str | Path, dtype: torch.dtype, allo
     tensors = read_checkpoint(c)
     if quant_method is not None:
         try:
-            tensors = quant.dequantize_unheld(tensors, expected, dtype, quant.SCHEMES[quant_method])
+            tensors = quant.dequantize_unheld(tensors, expected, dtype, quant.SCHEMES[quant_method], _target)
+            tensors = quant.fuse_expert_scales(tensors)            # experts kept e4m3 (fused_moe_fp8)
         except quant.QuantError as e:
             raise LoadError(f"{e} in {path}") from None
     tensors = fuse_experts(tensors)
@@ -281,6 +282,6 @@ def load_into(model: torch.nn.Module, path: str | Path, dtype: torch.dtype, allo
         t = tensors[name]
         if tuple(t.shape) != tuple(p.shape):
             raise LoadError(f"shape mismatch for {name!r}: checkpoint {list(t.shape)}, model expects {list(p.shape)}")
-        keep = p.dtype in quant.QUANT_DTYPES or name.endswith((".weight_scale_inv", ".weight_scale"))  # q, fp32 scales
+        keep = p.dtype in quant.QUANT_DTYPES or name.endswith(("_scale_inv", ".weight_scale"))  # q, fp32 scales
         with torch.no_grad():
             p.data = (t if keep else t.to(dtype)).contiguous()

@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from onegraph.custom_ops.linear_fp8 import dequantize_blocks as dequantize
 from onegraph.graphs.eager import generate_eager
 from onegraph.graphs.load import load_model, model_dir
 from onegraph.graphs.weights import LoadError
@@ -101,20 +102,28 @@ def fp8_model(fp8_dir):
     return load_model(fp8_dir, "float32")[1]
 
 
-def test_fp8_checkpoint_loads_fp8_projections_and_dequantized_experts(fp8_model, fp8_tensors):
-    """Projections stay e4m3 + scales (concatenated by runs), experts are transformers' dequantized values."""
+def test_fp8_checkpoint_loads_fp8_projections_and_experts(fp8_model, fp8_tensors):
+    """Projections stay e4m3 + scales (concatenated by runs); routed experts and the shared expert stay e4m3
+    (onegraph::fused_moe_fp8) with their block scales fused per layer, and dequantize to transformers' values."""
+    from onegraph.custom_ops.fused_moe_fp8 import dequantize_gate_up
     gdn, attn = fp8_model.layers[0].linear_attn, fp8_model.layers[3].self_attn
     fp8 = {n for n, p in fp8_model.named_parameters() if p.dtype == torch.float8_e4m3fn}
     assert "layers.0.linear_attn.in_proj.runs.0.weight" in fp8        # [qkv; z] e4m3, [b; a] float
     assert gdn.in_proj.runs[1].weight.dtype == torch.float32
     assert attn.qkv_proj.runs[0].weight.shape[0] == 320               # [q; k]: q (256) is whole blocks, k (64) not
-    assert "layers.3.self_attn.o_proj.weight" in fp8 and len(fp8) == 3 * 2 + 1 + 2
+    assert "layers.3.self_attn.o_proj.weight" in fp8 and len(fp8) == 3 * 2 + 1 + 2 + 4 * 5   # + experts, shared
+    ex, key = fp8_model.layers[0].mlp.experts, "model.layers.0.mlp.experts.5.{}_proj.weight{}"
+    assert torch.equal(ex.gate_up_proj[5].view(torch.uint8), torch.cat(
+        [fp8_tensors[key.format(p, "")] for p in ("gate", "up")]).view(torch.uint8))
+    assert torch.equal(ex.gate_up_proj_scale_inv[5], torch.cat([fp8_tensors[key.format(p, "_scale_inv")]
+                                                                for p in ("gate", "up")]))
+    assert torch.equal(ex.down_proj_scale_inv[5], fp8_tensors[key.format("down", "_scale_inv")])
     hf = _hf_dequantized(fp8_tensors, torch.float32)
     gate_up = torch.cat([hf["model.layers.0.mlp.experts.5.gate_proj.weight"],
                          hf["model.layers.0.mlp.experts.5.up_proj.weight"]])
-    assert torch.equal(fp8_model.layers[0].mlp.experts.gate_up_proj[5], gate_up)
-    assert torch.equal(fp8_model.layers[0].mlp.shared_expert.down_proj.weight,
-                       hf["model.layers.0.mlp.shared_expert.down_proj.weight"])
+    assert torch.equal(dequantize_gate_up(ex.gate_up_proj[5], ex.gate_up_proj_scale_inv[5]), gate_up)
+    sd = fp8_model.layers[0].mlp.shared_expert.down_proj
+    assert torch.equal(dequantize(sd.weight, sd.weight_scale_inv), hf["model.layers.0.mlp.shared_expert.down_proj.weight"])
     qkv = fp8_tensors["model.layers.0.linear_attn.in_proj_qkv.weight"]
     assert torch.equal(gdn.in_proj.runs[0].weight[:qkv.shape[0]].view(torch.uint8), qkv.view(torch.uint8))
 
@@ -131,11 +140,15 @@ def test_fp8_checkpoint_matches_transformers_dequantized_model(fp8_model, dequan
 
 
 def test_bf16_dequantizes_experts_exactly_as_transformers(fp8_dir, fp8_tensors):
-    """Experts the MoE kernel does not take as FP8 yet: bf16(e4m3 * scale) per block, transformers' rule."""
-    model = load_model(fp8_dir, "bfloat16")[1]
+    """quant='none' in bf16: experts are bf16(e4m3 * scale) per block, transformers' rule. By default a bf16 model
+    keeps them e4m3 as the fp32 one does."""
+    model = load_model(fp8_dir, "bfloat16", quant="none")[1]
     hf = _hf_dequantized(fp8_tensors, torch.bfloat16)
     assert torch.equal(model.layers[2].mlp.experts.down_proj[7], hf["model.layers.2.mlp.experts.7.down_proj.weight"])
+    model = load_model(fp8_dir, "bfloat16")[1]
     assert model.layers[2].linear_attn.out_proj.weight.dtype == torch.float8_e4m3fn
+    assert model.layers[2].mlp.experts.down_proj.dtype == model.layers[2].mlp.shared_expert.up_proj.weight.dtype \
+        == torch.float8_e4m3fn
 
 
 def test_quant_none_dequantizes_everything(fp8_dir, dequantized_dir):
@@ -148,14 +161,22 @@ def test_quant_none_dequantizes_everything(fp8_dir, dequantized_dir):
 
 def test_export_time_quantization_is_the_official_format(tiny_eager):
     """load_model(quant='fp8') on a float checkpoint: the projections' bytes and scales are what the
-    test's independent quantizer makes of the same weights; in_proj_a/b, experts, routers stay float."""
+    test's independent quantizer makes of the same weights, the routed experts' gate and up rows quantized
+    apart (as a checkpoint holds them) and the shared expert too; in_proj_a/b and the routers stay float."""
     model = load_model("tiny", "float32", quant="fp8")[1]
     src = load_file(str(model_dir("tiny") / "model.safetensors"))
     q, s = _quantize(src["model.layers.3.self_attn.o_proj.weight"])
     o = model.layers[3].self_attn.o_proj
     assert torch.equal(o.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(o.weight_scale_inv, s)
     assert model.layers[0].linear_attn.in_proj.runs[1].weight.dtype == torch.float32      # [b; a]
-    assert model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float32
+    ex, key = model.layers[0].mlp.experts, "model.layers.0.mlp.experts.3.{}_proj.weight"
+    (gq, gs), (uq, us) = _quantize(src[key.format("gate")]), _quantize(src[key.format("up")])
+    assert torch.equal(ex.gate_up_proj[3].view(torch.uint8), torch.cat([gq, uq]).view(torch.uint8))
+    assert torch.equal(ex.gate_up_proj_scale_inv[3], torch.cat([gs, us]))
+    q, s = _quantize(src["model.layers.0.mlp.shared_expert.down_proj.weight"])
+    sd = model.layers[0].mlp.shared_expert.down_proj
+    assert torch.equal(sd.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(sd.weight_scale_inv, s)
+    assert model.layers[0].mlp.router.weight.dtype == torch.float32                      # [gate; shared_expert_gate]
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +232,7 @@ def test_cli_export_quant_fp8_records_the_scheme_and_replays_its_eager_model(tmp
     assert manifest["options"]["quant"] == "fp8"
     with safe_open(str(out / "weights.safetensors"), "pt") as f:
         fp8 = [k for k in f.keys() if f.get_slice(k).get_dtype() == "F8_E4M3"]
-    assert "model.layers.3.self_attn.o_proj.weight" in fp8 and len(fp8) == 9, fp8
+    assert "model.layers.3.self_attn.o_proj.weight" in fp8 and len(fp8) == 9 + 4 * 5, fp8     # + experts, shared
     capsys.readouterr()
     assert cli.main(["inspect", str(out)]) == 0
     assert "'quant': 'fp8'" in capsys.readouterr().out
