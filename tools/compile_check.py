@@ -33,6 +33,8 @@ from . import (attention_decode, attention_prefill, causal_conv, fused_moe, gdn_
 MODULES = (attention_decode, attention_prefill, causal_conv, fused_moe, gdn_decode_step, gdn_decode_step_norm,
            gdn_prefill, linear, linear_fp8, norms, qk_norm_rope, rope, sample)
 MODULES += (linear_w8a8,)
+from onegraph.custom_ops.triton import fused_moe_fp8  # noqa: E402
+MODULES += (fused_moe_fp8,)
 SMEM_LIMIT = 232448            # bytes per block on sm_90 (227 KiB opt-in)
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
           torch.int32: "i32", torch.float8_e4m3fn: "fp8e4nv", torch.int8: "i8"}
@@ -57,6 +59,12 @@ def cases(B: int):
     yield "fused_moe", (torch.empty(B, 2048, **bf), torch.empty(B, 257, **bf), torch.empty(256, 1024, 2048, **bf),
                         torch.empty(256, 2048, 512, **bf), torch.empty(512, 2048, **bf), torch.empty(512, 2048, **bf),
                         torch.empty(2048, 512, **bf), 8)
+    f32, e4 = dict(dtype=torch.float32, **m), dict(dtype=torch.float8_e4m3fn, **m)   # FP8 experts: 128x128 block scales
+    yield "fused_moe_fp8", (torch.empty(B, 2048, **bf), torch.empty(B, 257, **bf), torch.empty(256, 1024, 2048, **e4),
+                            torch.empty(256, 8, 16, **f32), torch.empty(256, 2048, 512, **e4),
+                            torch.empty(256, 16, 4, **f32), torch.empty(512, 2048, **e4), torch.empty(4, 16, **f32),
+                            torch.empty(512, 2048, **e4), torch.empty(4, 16, **f32), torch.empty(2048, 512, **e4),
+                            torch.empty(16, 4, **f32), 8)
     yield "add_rms_norm_linear", (torch.empty(B, 2048, **bf), torch.empty(B, 2048, **bf), torch.empty(2048, **bf), 1e-6,
                                   torch.empty(257, 2048, **bf))
     yield "attention_decode", (torch.empty(B, 16, 256, **bf), torch.empty(S, 2, 4096, 256, **bf),
