@@ -33,13 +33,12 @@ from pathlib import Path
 import torch
 
 from onegraph.custom_ops import REGISTRY, decompositions
+from onegraph.graphs.signature import NEW_STATE_PREFIX, OUTPUTS, is_state
 
 from .entry import GraphSpec, dynamic_shapes, entry_module, example_inputs
 from .trace import ExportError
 
 OPSET = 23
-NEW_STATE_PREFIX = "new."
-OUTPUTS = ("next_ids", "logits")
 SUPPORTED_DTYPES = (torch.float32,)         # CPU EP kernels for bf16/fp16 are too sparse to rely on
 CHECK_TOL = 1e-4                            # export-time ONNX vs traced graph, fp32
 # onegraph op -> the schema version its translation was written for (see _translations)
@@ -89,7 +88,7 @@ def lower_onnx(model, spec: GraphSpec, ep: torch.export.ExportedProgram, out_pat
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"--backend onnx supports --dtype float32 only (got {dtype}): onnxruntime's CPU "
                          f"execution provider lacks kernels for most ops in other dtypes")
-    n_state = 2 * len(model.cfg.layer_types)
+    n_state = sum(is_state(shape) for _, shape, _ in spec.inputs)
     n_head = len(spec.inputs) - n_state
     in_names, out_names = signature(spec, n_state)
     args = example_inputs(spec, torch.device("cpu"))

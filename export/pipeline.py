@@ -36,12 +36,12 @@ from onegraph.graphs.eager import SamplingParams, generate_eager, router_margins
 from onegraph.graphs.fuse import fuse_projections
 from onegraph.graphs.load import check_checkpoint, load_model, model_dir, quant_method, resolve_dtype
 from onegraph.graphs.quant import QUANT_CHOICES, SCHEMES, resolve
+from onegraph.graphs.signature import graph_spec, split_inputs
 from onegraph.graphs.tp import check_divisible
 from onegraph.runtime.artifact import device_descriptor, load_manifest, sha256_file, tool_versions, write_manifest
 
 from .cache import DEFAULT_DIR as DEFAULT_CACHE_DIR
 from .cache import GraphCache, graph_key
-from .entry import graph_spec
 from .program import save_without_weights, weights_of
 from .staging import check_target, interruptible, publish, staging
 from .trace import trace
@@ -311,10 +311,8 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
         for kind, bucket in specs_wanted:
             name, entry = entries[(r, kind, bucket)]
             graphs[name] = entry
-    state = graphs[next(iter(graphs))]["inputs"][-2 * cfg.num_layers:]
-    if k:                                              # the head's KV, spec.y, spec.pos (graphs/spec_graphs.py)
-        n_spec_state = len(graphs[f"spec_b{min(opts.batch_sizes)}"]["inputs"]) - 6 - len(state)   # 6: tokens, slots, sampling
-        state = state + graphs[f"spec_b{min(opts.batch_sizes)}"]["inputs"][-n_spec_state:]
+    # every graph's state inputs are the model's; a spec round's add the head's KV, spec.y, spec.pos after them
+    state = split_inputs(graphs[f"spec_b{min(opts.batch_sizes)}" if k else next(iter(graphs))]["inputs"])[1]
     manifest = {
         "backend": opts.backend, "model": cfg.to_dict(), "dtype": opts.dtype,
         "device": device_desc, "versions": tool_versions(opts.backend), "ops": schema_versions(),

@@ -21,11 +21,9 @@ from pathlib import Path
 import torch
 
 from onegraph.custom_ops.sample import Sampling  # noqa: F401  (re-exported: onegraph.runtime.Sampling)
+from onegraph.graphs.signature import split_inputs, torch_dtype
 
 from .artifact import ArtifactError, load_manifest, load_weights
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64}
-
 
 
 class AotiGraph:
@@ -59,7 +57,7 @@ class GraphExecutor:
         self.graphs, self.meta, self.device = graphs, graph_meta, device
         self.max_slots, self.max_seq_len, self.vocab_size = max_slots, max_seq_len, vocab_size
         self.scratch = max_slots
-        self.state = [torch.zeros([max_slots + 1 if s == "S" else s for s in t["shape"]], dtype=DTYPES[t["dtype"]],
+        self.state = [torch.zeros([max_slots + 1 if s == "S" else s for s in t["shape"]], dtype=torch_dtype(t["dtype"]),
                                   device=device) for t in state_meta]
         idx = {t["name"]: i for i, t in enumerate(state_meta)}
         self.graph_state = {n: [self.state[idx[i["name"]]] for i in g["inputs"] if i["name"] in idx]
@@ -129,10 +127,9 @@ class GraphExecutor:
             ex.path += "+cudagraphs"
         if tp > 1:
             from .tp import StepBroadcast
-            n_state = len(m["state"])
             # what the followers need per call: an uncaptured graph's non-state inputs, or a captured
             # bucket's staging bytes and which of its two graphs the leader replays ("captured_b{B}_{k}")
-            inputs = {n: [(DTYPES[i["dtype"]], i["shape"]) for i in g["inputs"][:-n_state]]
+            inputs = {n: [(torch_dtype(i["dtype"]), i["shape"]) for i in split_inputs(g["inputs"])[0]]
                       for n, g in m["graphs"].items()}
             inputs.update({f"captured_b{B}_{k}": [(torch.uint8, list(c.dev.shape))]
                            for B, c in ex.captured.items() for k in range(len(c.graphs))})
@@ -154,8 +151,8 @@ class GraphExecutor:
                    speculative_tokens: int = 0) -> "GraphExecutor":
         """Eager backend over the same entry points; `kinds` = {"decode": [B...], "prefill": [T...]} (and
         "spec": [B...] with speculative_tokens K > 0: a model with its MTP head, graphs/spec_graphs.py)."""
-        from onegraph.export.entry import GraphSpec, graph_spec, state_inputs  # eager only: not on the artifact path
         from onegraph.graphs import spec_graphs
+        from onegraph.graphs.signature import graph_spec, state_manifest
         dtype, k = model.embed_tokens.weight.dtype, speculative_tokens
         fns = {"decode": model.decode, "prefill": model.prefill if not k else
                (lambda *a: spec_graphs.prefill(model, *a)), "spec": lambda *a: spec_graphs.step(model, k, *a)}
@@ -165,7 +162,7 @@ class GraphExecutor:
                 spec = graph_spec(model, kind, b, max_seq_len, dtype, k)
                 graphs[spec.name] = (lambda f: lambda inputs: f(*inputs))(fns[kind])
                 meta[spec.name] = spec.manifest()
-        state = GraphSpec("state", "state", 0, state_inputs(model, max_seq_len, dtype, k)).manifest()["inputs"]
+        state = state_manifest(model, max_seq_len, dtype, k)
         return cls(graphs, meta, state, max_slots, max_seq_len, model.cfg.vocab_size,
                    model.embed_tokens.weight.device)
 

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
+from onegraph.graphs.signature import NEW_STATE_PREFIX, OUTPUTS, split_inputs
+
 from .artifact import ArtifactError, load_weights
 
-NEW_STATE_PREFIX = "new."           # must match export/onnx.py (the runtime does not import export/)
-OUTPUTS = ("next_ids", "logits")
 PROVIDER = "CPUExecutionProvider"
 _NP = {torch.float32: "float32", torch.float16: "float16", torch.int64: "int64", torch.bool: "bool"}
 
@@ -49,7 +49,7 @@ class OnnxGraph:
             raise ArtifactError(f"graph file {path.name} is missing")
         self.name = path.stem
         self.in_names = [i["name"] for i in meta["inputs"]]
-        self.n_state = sum(1 for i in meta["inputs"] if i["shape"] and i["shape"][0] == "S")
+        self.n_state = len(split_inputs(meta["inputs"])[1])
         self.out_names = list(OUTPUTS) + [NEW_STATE_PREFIX + n for n in self.in_names[-self.n_state:]]
         import onnx
         try:
