@@ -2,9 +2,9 @@
 show: that it compiles at all, registers per thread, spills and shared memory, at the launch
 configurations the lowerings pick for Qwen3.5-35B-A3B shapes.
 
-    python -m onegraph.custom_ops.triton.compile_check [--arch 90] [--json]
+    python -m onegraph.tools.compile_check [--arch 90] [--json]
 
-How: each lowering runs on meta tensors with its `launch` recording (kernel, grid, args, meta)
+How: each lowering runs on meta tensors with its module's `launch` replaced by one recording (kernel, grid, args, meta)
 instead of launching; each recorded launch is compiled with Triton's own compiler for
 GPUTarget("cuda", arch, 32) (the wheel bundles ptxas) with the specialisations the runtime would
 apply (16-aligned pointers, ints divisible by 16, ints equal to 1 folded). Registers and spills come
@@ -25,10 +25,10 @@ import triton
 from triton.runtime.jit import JITFunction
 from triton.backends.compiler import GPUTarget
 
-from .. import _registry
-from . import linear_w8a8
-from . import (attention_decode, attention_prefill, causal_conv, fused_moe, gdn_decode_step, gdn_decode_step_norm,
-               gdn_prefill, linear, linear_fp8, norms, qk_norm_rope, rope, sample)
+from onegraph.custom_ops import _registry
+from onegraph.custom_ops.triton import (attention_decode, attention_prefill, causal_conv, fused_moe, gdn_decode_step,
+                                        gdn_decode_step_norm, gdn_prefill, linear, linear_fp8, linear_w8a8, norms,
+                                        qk_norm_rope, rope, sample)
 
 MODULES = (attention_decode, attention_prefill, causal_conv, fused_moe, gdn_decode_step, gdn_decode_step_norm,
            gdn_prefill, linear, linear_fp8, norms, qk_norm_rope, rope, sample)
