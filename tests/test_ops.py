@@ -95,6 +95,15 @@ def case_fused_moe(g):
             g.m(IS, H, scale=H ** -0.5), g.m(IS, H, scale=H ** -0.5), g.m(H, IS, scale=IS ** -0.5), 2]
 
 
+def case_fused_moe_fp8(g):
+    """fused_moe's case with block-FP8 experts and shared expert, H = 160 (two 128-column blocks, one partial):
+    e4m3 weights, fp32 block scales (gate_up's: the gate rows' block rows, then the up rows')."""
+    q = lambda *s: (g.f(*s) * 8).to(torch.float8_e4m3fn)                      # noqa: E731
+    sc = lambda *s: g.f(*s).abs() * 0.01 / 8 + 1e-4                           # noqa: E731
+    return [g.m(5, 160), g.m(5, E + 1), q(E, 2 * I, 160), sc(E, 2, 2), q(E, 160, I), sc(E, 2, 1), q(IS, 160), sc(1, 2),
+            q(IS, 160), sc(1, 2), q(160, IS), sc(2, 1), 2]
+
+
 def case_add_rms_norm_linear(g):
     return [g.m(B, H), g.m(B, H), g.m(H, scale=0.1), 1e-6, g.m(IS, H, scale=H ** -0.5)]
 
@@ -174,7 +183,8 @@ def test_every_registered_op_has_a_case():
 def test_opcheck(name):
     spec = REGISTRY[name]
     # torch 2.13's schema check compares each input before/after with allclose, which has no float8 CPU kernel
-    utils = ("test_faketensor",) if name in ("linear_fp8", "linear_w8a8_fp8") else ("test_schema", "test_faketensor")
+    utils = (("test_faketensor",) if name in ("linear_fp8", "linear_w8a8_fp8", "fused_moe_fp8")
+             else ("test_schema", "test_faketensor"))
     torch.library.opcheck(spec.op, tuple(op_args(name)), test_utils=utils)
 
 
@@ -242,6 +252,9 @@ VALIDATION = [
     ("linear", 0, torch.zeros(H), "linear x: expected shape [*, *]"),
     ("linear_f32", 1, torch.zeros(IS, H + 1), f"linear_f32 w: expected shape [*, {H}]"),
     ("linear_f32", 0, torch.zeros(H), "linear_f32 x: expected shape [*, *]"),
+    ("fused_moe_fp8", 3, torch.zeros(E, 1, 2), "fused_moe_fp8 gate_up_scale (the gate rows' 128x128 block scales, "
+                                               f"then the up rows'): expected shape [{E}, 2, 2]"),
+    ("fused_moe_fp8", 10, torch.zeros(160, IS), "fused_moe_fp8 shared_down: expected dtype torch.float8_e4m3fn"),
     ("linear_fp8", 2, torch.zeros(1, 2), "linear_fp8 scale (one per 128x128 block of w): expected shape [2, 2]"),
     ("linear_fp8", 1, torch.zeros(130, 160), "linear_fp8 w: expected dtype torch.float8_e4m3fn"),
     ("linear_w8a8_int8", 2, torch.zeros(130), "linear_w8a8_int8 scale (one per output channel of w): expected shape "
