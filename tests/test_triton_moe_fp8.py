@@ -124,7 +124,7 @@ def test_kernels_equal_the_bf16_kernels_on_dequantized_weights(T, H, E, I, Is, t
     if INTERPRETED:
         assert torch.equal(got, want), f"T={T}: max diff {(got.float() - want.float()).abs().max().item():.3g}"
     else:
-        compare(got, want, 3e-2, 0.02, f"T={T}")
+        compare(got, want, 3e-2, 0.05, f"T={T}")
     # and the reference agrees (up to fp32 summation order before each bf16 rounding)
     ref = reference_fused_moe_fp8(*args, fp32_out)
     if fp32_out:     # activations rounded to bf16 as there, the rest fp32 in another summation order
@@ -194,7 +194,7 @@ def test_fused_moe_fp8_35b(T):
     against the reference. Prints the µs of both ops (orientation; .dev/moe_fp8_bench.py measures)."""
     args, float_args = fp8_args(T, 2048, 256, 512, 512, 8, BF16, seed=T, pow2=True)
     got = ops.fused_moe_fp8_triton(*args)
-    compare(got, ops.fused_moe_triton(*float_args), 3e-2, 0.02, f"35B T={T} vs bf16 kernels")
+    compare(got, ops.fused_moe_triton(*float_args), 3e-2, 0.05, f"35B T={T} vs bf16 kernels")
     compare(got, reference_fused_moe_fp8(*args), 3e-2, 0.05, f"35B T={T} vs reference")
     compare(ops.fused_moe_fp8_triton(*args, True), reference_fused_moe_fp8(*args, True), 3e-3, 1.0,
             f"35B T={T} fp32_out")
