@@ -53,7 +53,8 @@ def _validate(x, logits, gate_up, gate_up_scale, down, down_scale, shared_gate, 
     T, H = x.shape
     E, I2, _ = gate_up.shape
     if I2 % 2:
-        raise ValueError(f"fused_moe_fp8 gate_up: expected [E, 2I, H] (gate rows then up rows), got {list(gate_up.shape)}")
+        raise ValueError(f"fused_moe_fp8 gate_up: expected [E, 2I, H] (gate rows then up rows), "
+                         f"got {list(gate_up.shape)}")
     I, Is = I2 // 2, shared_gate.shape[0]
     check_shape(x, (T, H), "fused_moe_fp8 x", X_DTYPES)
     check_shape(logits, (T, E + 1), "fused_moe_fp8 logits (router logits + the shared expert's gate logit)", x.dtype)
@@ -110,7 +111,8 @@ def reference_fused_moe_fp8(x, logits, gate_up, gate_up_scale, down, down_scale,
             gu_w = dequantize_gate_up(gate_up[e], gate_up_scale[e])
             act = _swiglu(x, gu_w[:I], gu_w[I:], dt)
             routed = routed + _mm(act, dequantize_blocks(down[e], down_scale[e]), od) * we.to(od)
-    act = _swiglu(x, dequantize_blocks(shared_gate, shared_gate_scale), dequantize_blocks(shared_up, shared_up_scale), dt)
+    act = _swiglu(x, dequantize_blocks(shared_gate, shared_gate_scale), dequantize_blocks(shared_up, shared_up_scale),
+                  dt)
     shared = _mm(act, dequantize_blocks(shared_down, shared_down_scale), od)
     return routed + torch.sigmoid(logits[:, E:]).to(od) * shared
 

@@ -146,7 +146,8 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: s
     load_into(model, path, resolve_dtype(dtype), allow_unused, quant_method=method)
     if scheme and method is None:
         n = quantfmt.quantize_model(model, scheme)
-        quantfmt.log.info("quantized %d weights (projections; fp8: experts too): %s", n, quantfmt.SCHEMES[scheme].describe)
+        quantfmt.log.info("quantized %d weights (projections; fp8: experts too): %s", n,
+                          quantfmt.SCHEMES[scheme].describe)
     if tp != 1:
         model = shard_model(model, rank, tp, group)
     if fuse:

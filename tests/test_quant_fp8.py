@@ -123,7 +123,8 @@ def test_fp8_checkpoint_loads_fp8_projections_and_experts(fp8_model, fp8_tensors
                          hf["model.layers.0.mlp.experts.5.up_proj.weight"]])
     assert torch.equal(dequantize_gate_up(ex.gate_up_proj[5], ex.gate_up_proj_scale_inv[5]), gate_up)
     sd = fp8_model.layers[0].mlp.shared_expert.down_proj
-    assert torch.equal(dequantize(sd.weight, sd.weight_scale_inv), hf["model.layers.0.mlp.shared_expert.down_proj.weight"])
+    assert torch.equal(dequantize(sd.weight, sd.weight_scale_inv),
+                       hf["model.layers.0.mlp.shared_expert.down_proj.weight"])
     qkv = fp8_tensors["model.layers.0.linear_attn.in_proj_qkv.weight"]
     assert torch.equal(gdn.in_proj.runs[0].weight[:qkv.shape[0]].view(torch.uint8), qkv.view(torch.uint8))
 
