@@ -1,6 +1,6 @@
 """FP8 weights end to end on CPU: the official block-FP8 checkpoint format loads (graphs/quant.py,
-graphs/weights.py), runs through onegraph::linear_fp8, matches transformers on the same checkpoint
-dequantized, exports (`--quant fp8`) with the scheme in the manifest, and bad FP8 checkpoints are refused.
+graphs/weights.py), runs through onegraph::linear_fp8 and (experts) fused_moe_fp8, matches transformers on the
+same checkpoint dequantized, exports (`--quant fp8`) with the scheme in the manifest, and bad FP8 checkpoints are refused.
 
 The FP8 checkpoint is `tiny` quantized here, independently of graphs/quant.py, in the official layout:
 e4m3 `X.weight` + fp32 `X.weight_scale_inv` [ceil(N/128), ceil(K/128)] (amax / 448 per block) for the
