@@ -11,7 +11,7 @@ down [E, H, I] e4m3 with down_scale [E, ceil(H/128), ceil(I/128)];
 shared_gate, shared_up [Is, H] e4m3 with scales [ceil(Is/128), ceil(H/128)]; shared_down [H, Is] with
   [ceil(H/128), ceil(Is/128)]; top_k; fp32_out (as fused_moe's).
 -> y [T, H] in x.dtype (fp32 when fp32_out).
-Weight values: fp32(q) * scale of the 128x128 block, exact in fp32 (the checkpoint's values; the rule of
+Weight values: fp32(q) * scale of the 128x128 block, one fp32 rounding (the checkpoint's values; the rule of
 linear_fp8 and transformers' Fp8Dequantize before its cast). Reference: those fp32 weights with every
 rounding of fused_moe's reference — each projection computed in fp32 (bf16 x upcast, exact) and rounded to
 x.dtype where fused_moe's bf16 matmul rounds its output, silu and the products in x.dtype, the routing
