@@ -15,6 +15,9 @@ Two scale patterns:
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -24,7 +27,7 @@ from onegraph.custom_ops.fused_moe import reference_fused_moe
 from onegraph.custom_ops.fused_moe_fp8 import dequantize_gate_up, reference_fused_moe_fp8
 from onegraph.custom_ops.linear_fp8 import dequantize_blocks
 
-from triton_env import CUDA, DEVICE, HAVE_TRITON, INTERPRETED, cuda_us, kernels, needs_triton  # noqa: F401
+from triton_env import CUDA, DEVICE, HAVE_TRITON, INTERPRETED, TTIR_WRITES, cuda_us, kernels, needs_triton  # noqa: F401
 
 ops = torch.ops.onegraph
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
@@ -182,6 +185,42 @@ def test_export_swaps_in_the_triton_op():
     targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
     assert "onegraph.fused_moe_fp8_triton.default" in targets, targets
     assert PYTHON_CALLS["fused_moe_fp8"] == before
+
+
+_MUTATION_SCRIPT = """
+from onegraph.custom_ops.triton import fused_moe as bf16_mod, fused_moe_fp8 as m
+launches = []
+m.launch = bf16_mod.launch = lambda kernel, grid, *a, **meta: launches.append((kernel, a, meta))
+e4, f32, bf = torch.float8_e4m3fn, torch.float32, torch.bfloat16
+t = lambda dt, *s: torch.empty(*s, dtype=dt, device="meta")        # recorded launches: never run
+for T in (1, 6):                                   # the decode kernels, then the grouped GEMMs (T*k > E)
+    m.fused_moe_fp8_triton(t(bf, T, 192), t(bf, T, 9), t(e4, 8, 272, 192), t(f32, 8, 4, 2), t(e4, 8, 192, 136),
+                           t(f32, 8, 2, 2), t(e4, 136, 192), t(f32, 2, 2), t(e4, 136, 192), t(f32, 2, 2),
+                           t(e4, 192, 136), t(f32, 2, 2), 2)
+for kernel, a, meta in launches:
+    kw = dict(zip([n for n in kernel.arg_names if n not in meta], a))
+    kw.update({k: v for k, v in meta.items() if k not in ("num_warps", "num_stages")})
+    print(kernel.fn.__name__, sorted(writes(kernel, kw)))
+"""
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
+def test_inductor_sees_only_output_and_workspace_writes():
+    """Inductor's TTIR mutation analysis understands every kernel and finds no write to an input (x, logits, the
+    e4m3 weights, their scales): AOTInductor then neither clones the expert weights nor assumes them mutated.
+    A plain subprocess (compiled kernels, no GPU)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = TTIR_WRITES + _MUTATION_SCRIPT
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    lines = {}
+    for line in res.stdout.strip().splitlines():
+        name, w = line.split(" ", 1)
+        lines.setdefault(name, set()).add(w)
+    assert lines == {"_moe_fp8_swiglu_kernel": {"['act', 'act_sh', 'route_i', 'route_w']"},
+                     "_moe_fp8_down_kernel": {"['y']"}, "_route_kernel": {"['idx', 'w']"},
+                     "_grouped_swiglu_fp8_kernel": {"['act']"}, "_grouped_down_fp8_kernel": {"['out']"},
+                     "_combine_kernel": {"['out']"}}, lines
 
 
 # ---------------------------------------------------------------- CUDA: the 35B-A3B shape
