@@ -27,7 +27,7 @@ from onegraph.custom_ops.fused_moe import reference_fused_moe
 from onegraph.custom_ops.fused_moe_fp8 import dequantize_gate_up, reference_fused_moe_fp8
 from onegraph.custom_ops.linear_fp8 import dequantize_blocks
 
-from triton_env import CUDA, DEVICE, HAVE_TRITON, INTERPRETED, TTIR_WRITES, cuda_us, kernels, needs_triton  # noqa: F401
+from triton_env import CUDA, DEVICE, HAVE_TRITON, INTERPRETED, TTIR_WRITES, compare, cuda_us, kernels, needs_triton  # noqa: F401
 
 ops = torch.ops.onegraph
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
@@ -83,17 +83,6 @@ def fp8_args(T, H, E, I, Is, top_k, dtype, seed, pow2):
            dequantize_blocks(sg, sg_s), dequantize_blocks(su, su_s), dequantize_blocks(sd, sd_s)]
     float_args = [x, logits, *(w.to(dtype) for w in deq), top_k]
     return args, float_args
-
-
-def compare(got, ref, atol, max_frac, what):
-    """max |got - ref| <= atol and at most a fraction `max_frac` of the elements differ at all."""
-    got, ref = got.float().cpu(), ref.float().cpu()
-    assert got.shape == ref.shape, f"{what}: shape {list(got.shape)} != {list(ref.shape)}"
-    assert torch.isfinite(got).all() and torch.isfinite(ref).all(), f"{what}: non-finite values"
-    diff = (got - ref).abs()
-    err, frac = diff.max().item(), (diff > 0).float().mean().item()
-    assert err <= atol, f"{what}: max abs error {err:.3g} > {atol:.3g}"
-    assert frac <= max_frac, f"{what}: {frac:.2%} of elements differ (allowed {max_frac:.2%})"
 
 
 # (T, H, E, I, Is, top_k): B = 1 and a B > 1 decode batch (T*k <= E: the decode kernels), and T*k > E (the grouped

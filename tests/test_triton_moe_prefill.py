@@ -20,7 +20,7 @@ import torch
 from onegraph.custom_ops import PYTHON_CALLS, decompositions
 from onegraph.custom_ops.fused_moe import reference_fused_moe, route
 
-from triton_env import CUDA, DEVICE, HAVE_TRITON, INTERPRETED, kernels, needs_triton  # noqa: F401
+from triton_env import CUDA, DEVICE, HAVE_TRITON, INTERPRETED, compare, kernels, needs_triton  # noqa: F401
 
 if kernels.AVAILABLE:
     from onegraph.custom_ops.triton import fused_moe_prefill as prefill_mod
@@ -34,17 +34,6 @@ def cuda_test(fn):
 
 ops = torch.ops.onegraph
 BF16 = torch.bfloat16
-
-
-def compare(got, ref, atol, max_frac, what):
-    """max |got - ref| <= atol and at most a fraction `max_frac` of the elements differ at all."""
-    got, ref = got.float().cpu(), ref.float().cpu()
-    assert got.shape == ref.shape, f"{what}: shape {list(got.shape)} != {list(ref.shape)}"
-    assert torch.isfinite(got).all() and torch.isfinite(ref).all(), f"{what}: non-finite values"
-    diff = (got - ref).abs()
-    err, frac = diff.max().item(), (diff > 0).float().mean().item()
-    assert err <= atol, f"{what}: max abs error {err:.3g} > {atol:.3g}"
-    assert frac <= max_frac, f"{what}: {frac:.2%} of elements differ (allowed {max_frac:.2%})"
 
 
 def moe_args(T, H, E, I, Is, top_k, dtype, seed, hot=(), cold=()):

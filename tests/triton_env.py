@@ -56,6 +56,17 @@ logging.getLogger("torch._higher_order_ops.triton_kernel_wrap").addHandler(Catch
 """
 
 
+def compare(got, ref, atol, max_frac, what):
+    """max |got - ref| <= atol and at most a fraction `max_frac` of the elements differ at all."""
+    got, ref = got.float().cpu(), ref.float().cpu()
+    assert got.shape == ref.shape, f"{what}: shape {list(got.shape)} != {list(ref.shape)}"
+    assert torch.isfinite(got).all() and torch.isfinite(ref).all(), f"{what}: non-finite values"
+    diff = (got - ref).abs()
+    err, frac = diff.max().item(), (diff > 0).float().mean().item()
+    assert err <= atol, f"{what}: max abs error {err:.3g} > {atol:.3g}"
+    assert frac <= max_frac, f"{what}: {frac:.2%} of elements differ (allowed {max_frac:.2%})"
+
+
 def cuda_us(fn, reps: int = 50) -> float:
     """µs per call of fn() on the GPU (CUDA events around `reps` calls after 3 warm-up calls): printed beside
     a kernel's 35B-shape check, for orientation only (the benchmarks under benchmarks/ are the measurements)."""
