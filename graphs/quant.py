@@ -240,14 +240,9 @@ def fuse_expert_scales(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     """Per-expert `...experts.E.{gate,up,down}_proj.weight_scale_inv` (of experts kept e4m3) -> the fused
     experts.gate_up_proj_scale_inv [E, 2*ceil(I/128), ceil(H/128)] and experts.down_proj_scale_inv; the other
     tensors unchanged (the weights are fused by graphs/weights.py fuse_experts as float ones are)."""
-    per: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    out = {}
-    for k, v in tensors.items():
-        m = EXPERT_KEY.match(k[: -len("_scale_inv")]) if k.endswith("." + SCALE) else None
-        if m:
-            per.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = v
-        else:
-            out[k] = v
+    from .weights import group_experts          # weights.py imports this module
+    per, out = group_experts(tensors, lambda k: EXPERT_KEY.match(k[: -len("_scale_inv")])
+                             if k.endswith("." + SCALE) else None)
     for prefix, experts in per.items():
         n = max(experts) + 1
         missing = [f"{prefix}.{e}.{p}_proj.{SCALE}" for e in range(n) for p in ("gate", "up", "down")

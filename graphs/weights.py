@@ -234,16 +234,23 @@ def read_checkpoint(c: Census) -> dict[str, torch.Tensor]:
     return out
 
 
-def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per-expert gate/up/down keys -> gate_up_proj [E, 2I, H] and down_proj [E, H, I]."""
+def group_experts(tensors: dict[str, torch.Tensor], match) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Split tensors by match(key) (a regex match of (prefix, expert index, gate|up|down), or None) ->
+    ({prefix: {expert: {part: tensor}}}, the tensors that did not match)."""
     per: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     out = {}
     for k, v in tensors.items():
-        m = EXPERT.match(k)
+        m = match(k)
         if m:
             per.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = v
         else:
             out[k] = v
+    return per, out
+
+
+def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert gate/up/down keys -> gate_up_proj [E, 2I, H] and down_proj [E, H, I]."""
+    per, out = group_experts(tensors, EXPERT.match)
     for prefix, experts in per.items():
         n = max(experts) + 1
         for e in range(n):
