@@ -33,6 +33,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import threading
 import zipfile
 from pathlib import Path
 
@@ -64,6 +65,16 @@ def toolchain(device_type: str) -> dict:
     else:
         v["cuda"] = torch.version.cuda
     return v
+
+
+def warm_toolchain(device_type: str) -> threading.Thread:
+    """toolchain(device_type) started in a thread, so it overlaps loading and tracing; join it before
+    anything calls toolchain() or lowers. On CPU it asks Inductor for the vector ISA, which on a cold
+    Inductor cache compiles and runs six probe programs (6 CPU-s on a 2-core machine); Inductor keeps the
+    answers on disk, so lowering workers started after the join skip them."""
+    t = threading.Thread(target=toolchain, args=(device_type,), name="onegraph-toolchain", daemon=True)
+    t.start()
+    return t
 
 
 def _drop_provenance(o):
@@ -102,6 +113,10 @@ class GraphCache:
 
     def _entry(self, key: str) -> Path:
         return self.root / key[:2] / key
+
+    def empty(self) -> bool:
+        """No entry at all (e.g. a fresh machine): every graph will be compiled."""
+        return next(self.root.glob("*/*/meta.json"), None) is None
 
     def fetch(self, key: str, dest: Path) -> bool:
         """Copy the package stored under `key` to dest -> True; False on a miss."""

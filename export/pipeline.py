@@ -41,7 +41,7 @@ from onegraph.graphs.tp import check_divisible
 from onegraph.runtime.artifact import device_descriptor, load_manifest, sha256_file, tool_versions, write_manifest
 
 from .cache import DEFAULT_DIR as DEFAULT_CACHE_DIR
-from .cache import GraphCache, graph_key
+from .cache import GraphCache, graph_key, warm_toolchain
 from .program import save_without_weights, weights_of
 from .staging import check_target, interruptible, publish, staging
 from .trace import trace
@@ -209,6 +209,8 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
     n_graphs = len(specs_wanted) * tp
     bar = tqdm(total=n_graphs, desc="export", disable=not progress, unit="graph")
     bar.set_postfix_str("load")
+    # the cache key's toolchain, and on CPU Inductor's vector-ISA probes, while the model loads and traces
+    warm = warm_toolchain(dev.type) if opts.backend == "aoti" else None
     cfg, model, src = load_model(model_spec, dtype, dev, fp32_reduce=opts.fp32_reduce,
                                   allow_unused=opts.allow_unused_weights, fuse=False, quant=opts.quant,
                                   mtp=k > 0)
@@ -240,6 +242,10 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
             bar.update()
 
     try:
+        if n_jobs > 1 and (cache is None or cache.empty()):
+            # every graph will be compiled: the workers start now, their imports overlapping the tracing (with
+            # a cache that may hold the graphs, at the first miss: a re-export then starts none)
+            pool = LoweringPool(min(n_jobs, n_graphs), dev, tp, work / "logs", on_lower_start)
         with trace_group(tp) as group_name:
             for r, rank_model in enumerate(ranks):
                 # weights first: written once either way, and the cache key holds their hash
@@ -255,6 +261,8 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
                     bar.set_postfix_str(f"trace {tag}")
                     t = time.time()
                     ep, hist = trace(rank_model, spec, dev, opts.kernels)
+                    if warm is not None:
+                        warm.join()             # before any key, worker or in-process lowering
                     rel = sub + f"{spec.name}.{'pt2' if opts.backend == 'aoti' else 'onnx'}"
                     entries[(r, kind, bucket)] = spec.name, dict(spec.manifest(), file=rel, ops=hist,
                                                                  node_count=sum(hist.values()))
@@ -320,6 +328,8 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
         "weights": weights_file, "weight_shapes": {n: list(t.shape) for n, t in weights.items()},
         "fixture": "fixture.safetensors", "timings_s": timings, "speculative_tokens": k,
     }
+    if opts.backend == "aoti":
+        manifest["lowering"] = lowering                # aoti.py's Inductor configs, as the graphs were compiled
     if tp > 1:
         from onegraph.graphs.tp import local_dims
         manifest["tp"] = {"size": tp, "group_name": group_name, "plan": "onegraph.graphs.tp",

@@ -145,7 +145,10 @@ class LoweringPool:
 
     def poll(self, timeout: float | None) -> list[Done]:
         """Wait up to timeout for events -> the graphs finished meanwhile; raises LoweringError."""
-        live = [w for w in self.workers if w.proc.exitcode is None]
+        for w in self.workers:
+            if w.proc.exitcode is not None:   # died since the last poll (workers exit only when stopped): a
+                self._died(w)                 # dead worker left out of the wait below was never reported
+        live = self.workers
         ready = mp_wait([w.conn for w in live] + [w.proc.sentinel for w in live], timeout)
         done = []
         for w in live:
