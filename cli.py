@@ -381,6 +381,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_args(p)
     p.set_defaults(fn=lambda a: __import__("onegraph.tools.bench", fromlist=["main"]).main(a))
 
+    p = sub.add_parser("bench-serve", help="serving benchmark of any OpenAI-compatible server: streamed "
+                       "requests at a concurrency or a Poisson rate; tok/s, TTFT, TPOT, ITL; JSON + PNG out")
+    from onegraph.tools.bench_serve import add_args as bench_serve_args
+    bench_serve_args(p)
+    p.set_defaults(fn=lambda a: __import__("onegraph.tools.bench_serve", fromlist=["main"]).main(a))
+
     p = sub.add_parser("inspect", help="print an artifact's manifest summary and per-graph op counts, or a "
                        "checkpoint directory's config, tensor census and whether it loads")
     p.add_argument("artifact", help="an exported artifact, a HF-format checkpoint directory, or `tiny`")

@@ -1,4 +1,5 @@
-"""PNG of a bench JSON: ms/token vs batch size for each mode (replay, eager, the bandwidth limit).
+"""PNG of a bench JSON: ms/token vs batch size for each mode (replay, eager, the bandwidth limit); for a
+bench-serve JSON, its latency percentiles.
 
     python -m onegraph.tools.plot benchmarks/h200_35b.json      # -> benchmarks/h200_35b.png
 
@@ -25,12 +26,35 @@ def series(res: dict) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
+def plot_serve(res: dict, png: Path) -> Path:
+    """A bench-serve JSON (tools/bench_serve.py): TTFT, TPOT, ITL and e2e latency at p50/p90/p99 (ms)."""
+    import matplotlib.pyplot as plt
+    keys = [k for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms") if (res.get(k) or {}).get("p50") is not None]
+    fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(2.2 * max(1, len(keys)) + 1, 3.4))
+    axes = axes if hasattr(axes, "__len__") else [axes]
+    for ax, k in zip(axes, keys):
+        qs = ("p50", "p90", "p99")
+        ax.bar(qs, [res[k][q] for q in qs], color=("tab:blue", "tab:orange", "tab:red"))
+        ax.set_title(k.replace("_ms", "").upper() + " (ms)", fontsize=9)
+        ax.tick_params(labelsize=7)
+    fig.suptitle(f"{res.get('model')}: {res.get('completed')} done, {res.get('failed')} failed, "
+                 f"{res.get('output_tok_s', 0):.1f} output tok/s, {res.get('requests_s', 0):.2f} req/s, "
+                 f"concurrency {res.get('concurrency')}, rate {res.get('request_rate')}", fontsize=8)
+    fig.text(0.01, 0.01, res.get("command", "")[:140], fontsize=5)
+    fig.tight_layout(rect=(0, 0.04, 1, 0.93))
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return png
+
+
 def plot(json_path: str | Path, png_path: str | Path | None = None) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     res = json.loads(Path(json_path).read_text())
     png = Path(png_path) if png_path else Path(json_path).with_suffix(".png")
+    if "ttft_ms" in res:
+        return plot_serve(res, png)
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode, pts in series(res).items():
         xs, ys = zip(*sorted(pts))
