@@ -189,7 +189,8 @@ def cmd_generate(args) -> int:
     if args.speculation is not None:
         raise UserError("--speculation / --no-speculation apply to an artifact (export it with --speculative-tokens K)")
     import torch
-    from onegraph.graphs.eager import SamplingParams, generate_eager
+    from onegraph.custom_ops.sample import Sampling
+    from onegraph.graphs.eager import generate_eager
     from onegraph.graphs.load import load_model
     if is_artifact(args.model):
         raise UserError(f"{args.model} is an exported artifact: drop --eager to run its graphs")
@@ -198,66 +199,48 @@ def cmd_generate(args) -> int:
     ids, tok = prompt_ids(args, model_dir, cfg.vocab_size)
     with torch.no_grad():
         res = generate_eager(model, ids, args.max_new_tokens,
-                             SamplingParams(args.temperature, args.top_k, args.top_p, args.seed),
+                             Sampling(args.temperature, args.top_k, args.top_p, args.seed),
                              stop_ids=() if args.ignore_eos else cfg.eos_token_ids)
     emit(args, ids, res.token_ids, res.finish_reason, tok, "eager")
     return 0
 
 
-def tp_follow(args, artifact: str, max_slots: int) -> int | None:
-    """Tensor parallel (under torchrun): join the process group; ranks > 0 replay rank 0's steps here
-    until it stops -> their exit code. None on rank 0 (and outside torchrun): it runs the engine.
-    Followers allocate the same slots as rank 0: the slot ids it broadcasts index their state too."""
-    from onegraph.runtime import tp as tpr
-    if not tpr.launched_by_torchrun():
-        return None
-    from onegraph.runtime.artifact import load_manifest
-    if args.tp_timeout <= 0:
+def lead_or_follow(args, artifact: str, max_slots: int):
+    """The verified Artifact on the rank that runs the engine -> (Artifact, None); under torchrun ranks > 0
+    replay rank 0's steps until it stops (runtime/ranks.py) -> (None, their exit code)."""
+    from onegraph.runtime import ranks
+    if args.tp_timeout <= 0 and ranks.launched_by_torchrun():
         raise UserError(f"--tp-timeout must be > 0 seconds, got {args.tp_timeout}")
-    rank, _ = tpr.init_from_torchrun(load_manifest(artifact, args.device)["device"]["type"], args.tp_timeout)
-    if rank == 0:
-        return None
-    import signal
-    from onegraph.runtime.executor import GraphExecutor
-    ex = GraphExecutor.from_artifact(artifact, max_slots=max_slots, device=args.device, cuda_graphs=args.cuda_graphs)
-    # rank 0 owns the lifetime: the SIGTERM/SIGINT that torchrun or a terminal sends every rank makes
-    # rank 0 shut down gracefully and release this rank (stop()); dying here first would fail rank 0
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
     try:
-        ex.follow()
-    except RuntimeError as e:          # rank 0 exited or stopped answering: one line, not a traceback
-        print(f"onegraph {args.cmd}: error: tensor-parallel rank {rank}: {e}", file=sys.stderr)
-        return 1
-    finally:
-        tpr.leave()
-    return 0
+        art = ranks.lead_or_follow(artifact, max_slots, args.device, args.cuda_graphs, args.tp_timeout)
+    except ranks.FollowerError as e:   # rank 0 exited or stopped answering: one line, not a traceback
+        print(f"onegraph {args.cmd}: error: {e}", file=sys.stderr)
+        return None, 1
+    return art, None if art is not None else 0
 
 
 def generate_artifact(args) -> int:
-    from onegraph.runtime import Engine
-    from onegraph.runtime import tp as tpr
+    from onegraph.runtime import Engine, ranks
     if not is_artifact(args.model):
         raise UserError(f"{args.model} is not an exported artifact (no manifest.json); export it first with "
                         f"`onegraph export {args.model} --out DIR`, or pass --eager")
-    code = tp_follow(args, args.model, max_slots=1)
+    art, code = lead_or_follow(args, args.model, max_slots=1)
     if code is not None:
         return code
-    engine = Engine.from_artifact(args.model, max_slots=1, device=args.device, cuda_graphs=args.cuda_graphs,
-                                  speculation=args.speculation)
+    engine = Engine.from_artifact(art, max_slots=1, cuda_graphs=args.cuda_graphs, speculation=args.speculation)
     try:
-        cfg = engine.ex.manifest["model"]
+        cfg = engine.artifact.model
         ids, tok = prompt_ids(args, Path(args.model), cfg["vocab_size"])
         stop = () if args.ignore_eos else tuple(cfg["eos_token_ids"])
         res = engine.generate(ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, stop)
     finally:
         engine.close()                 # also releases tensor-parallel followers
-        tpr.leave()
+        ranks.leave()
     if engine.error is not None:       # e.g. a tensor-parallel peer died mid-step
         print(f"onegraph generate: error: the engine failed: {engine.error}", file=sys.stderr)
         return 1
     emit(args, ids, res.token_ids, res.finish_reason, tok, "artifact",
-         {"fixture": engine.ex.fixture_report, "timings": res.timings, "speculation": res.speculation})
+         {"fixture": engine.fixture_report, "timings": res.timings, "speculation": res.speculation})
     return 0
 
 
@@ -274,11 +257,11 @@ def cmd_serve(args) -> int:
         raise UserError(f"{args.artifact} is not an exported artifact (no manifest.json)")
     if args.max_slots < 1 or args.max_queue < 0:
         raise UserError("need --max-slots >= 1 and --max-queue >= 0")
-    code = tp_follow(args, args.artifact, args.max_slots)   # tensor parallel: rank 0 serves, the others follow
+    art, code = lead_or_follow(args, args.artifact, args.max_slots)   # tensor parallel: rank 0 serves
     if code is not None:
         return code
-    engine = Engine.from_artifact(args.artifact, max_slots=args.max_slots, max_queue=args.max_queue,
-                                  device=args.device, cuda_graphs=args.cuda_graphs, speculation=args.speculation)
+    engine = Engine.from_artifact(art, max_slots=args.max_slots, max_queue=args.max_queue,
+                                  cuda_graphs=args.cuda_graphs, speculation=args.speculation)
     name = args.served_model_name or Path(args.artifact).resolve().name
     app = create_app(engine, name, api_key=args.api_key)
     srv = app.state.server
@@ -314,8 +297,8 @@ def cmd_serve(args) -> int:
         server.run()
     finally:
         engine.close()                 # also releases tensor-parallel followers
-        from onegraph.runtime import tp as tpr
-        tpr.leave()
+        from onegraph.runtime import ranks
+        ranks.leave()
     return 0
 
 

@@ -11,6 +11,7 @@ token id) — a 32-bit integer hash (lowbias32) computed in int64 arithmetic, id
 device and backend.
 """
 import dataclasses
+from typing import ClassVar
 
 import torch
 
@@ -28,13 +29,20 @@ class Sampling:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    # the graph inputs they become, in the graphs' order (graphs/signature.py): one [rows] tensor each
+    INPUTS: ClassVar[tuple] = (("temperature", torch.float32), ("top_k", torch.int64), ("top_p", torch.float32),
+                               ("seed", torch.int64))
 
     def tensors(self, n: int, device) -> list[torch.Tensor]:
         """-> [temperature, top_k, top_p, seed], each [n], as the graphs take them."""
-        return [torch.full((n,), float(self.temperature), dtype=torch.float32, device=device),
-                torch.full((n,), int(self.top_k), dtype=torch.int64, device=device),
-                torch.full((n,), float(self.top_p), dtype=torch.float32, device=device),
-                torch.full((n,), int(self.seed), dtype=torch.int64, device=device)]
+        return Sampling.rows([self] * n, n, device)
+
+    @staticmethod
+    def rows(rows: list["Sampling"], n: int, device) -> list[torch.Tensor]:
+        """Per-row parameters, padded to n rows with greedy ones -> [temperature, top_k, top_p, seed], each [n]."""
+        rows = list(rows) + [Sampling()] * (n - len(rows))
+        return [torch.tensor([getattr(r, name) for r in rows], dtype=dtype, device=device)
+                for name, dtype in Sampling.INPUTS]
 
 
 def _validate(logits, temperature, top_k, top_p, seed, position):

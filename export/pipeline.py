@@ -32,7 +32,8 @@ import torch
 from tqdm import tqdm
 
 from onegraph.custom_ops import schema_versions
-from onegraph.graphs.eager import SamplingParams, generate_eager, router_margins
+from onegraph.custom_ops.sample import Sampling
+from onegraph.graphs.eager import generate_eager, router_margins
 from onegraph.graphs.fuse import fuse_projections
 from onegraph.graphs.load import check_checkpoint, load_model, model_dir, quant_method, resolve_dtype
 from onegraph.graphs.quant import QUANT_CHOICES, SCHEMES, resolve
@@ -148,7 +149,7 @@ def fixture(model, max_seq_len: int) -> dict[str, torch.Tensor]:
         p = [t % model.cfg.vocab_size for t in p]
         n = min(FIXTURE_TOKENS, max_seq_len - len(p))
         with router_margins(model) as margins:
-            r = generate_eager(model, p, n, SamplingParams(), max_seq_len=max_seq_len)
+            r = generate_eager(model, p, n, Sampling(), max_seq_len=max_seq_len)
         out[f"prompt{i}"] = torch.tensor(p)
         out[f"ids{i}"] = torch.tensor(r.token_ids)
         out[f"logits{i}"] = torch.stack(r.logits).float().cpu()

@@ -15,9 +15,6 @@ from onegraph.custom_ops.sample import Sampling
 from .qwen3_5 import Qwen35Model, SparseMoe, new_state
 
 
-SamplingParams = Sampling      # one class for eager, export fixtures and the runtime
-
-
 @dataclasses.dataclass
 class EagerResult:
     token_ids: list[int]
@@ -50,10 +47,10 @@ def i64(values, device) -> torch.Tensor:
 
 @torch.no_grad()
 def generate_eager(model: Qwen35Model, prompt_ids: list[int], max_new_tokens: int,
-                   sampling: SamplingParams | None = None, stop_ids=(), max_seq_len: int | None = None,
+                   sampling: Sampling | None = None, stop_ids=(), max_seq_len: int | None = None,
                    prefill_chunk: int | None = None) -> EagerResult:
     """Prefill the prompt (in chunks of `prefill_chunk`, default one shot) into slot 0, then decode."""
-    sp = sampling or SamplingParams()
+    sp = sampling or Sampling()
     dev = model.inv_freq.device
     dtype = model.embed_tokens.weight.dtype
     max_seq_len = max_seq_len or len(prompt_ids) + max_new_tokens

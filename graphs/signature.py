@@ -14,9 +14,10 @@ import dataclasses
 
 import torch
 
+from onegraph.custom_ops.sample import Sampling
+
 from .qwen3_5 import Qwen35Model
 
-SAMPLING = [("temperature", torch.float32), ("top_k", torch.int64), ("top_p", torch.float32), ("seed", torch.int64)]
 OUTPUTS = ("next_ids", "logits")                                   # decode and prefill graphs
 SPEC_OUTPUTS = ("next_ids", "n_accepted", "targets", "drafts")      # a speculative round
 # A graph that cannot mutate its inputs (ONNX) returns each state tensor's new value after OUTPUTS, as
@@ -85,15 +86,15 @@ def graph_spec(model: Qwen35Model, kind: str, bucket: int, max_seq_len: int, dty
     "spec" is the round of k drafts; decode graphs are the plain ones either way."""
     if kind == "decode":
         head = [("tokens", (bucket,), torch.int64), ("slots", (bucket,), torch.int64),
-                ("positions", (bucket,), torch.int64)] + [(n, (bucket,), d) for n, d in SAMPLING]
+                ("positions", (bucket,), torch.int64)] + [(n, (bucket,), d) for n, d in Sampling.INPUTS]
     elif kind == "spec":
         if not k:
             raise ValueError("a spec graph needs k >= 1 speculative tokens")
         head = [("tokens", (bucket,), torch.int64), ("slots", (bucket,), torch.int64)] + \
-               [(n, (bucket,), d) for n, d in SAMPLING]
+               [(n, (bucket,), d) for n, d in Sampling.INPUTS]
     else:
         head = [("tokens", (bucket,), torch.int64), ("slot", (1,), torch.int64), ("start_pos", (1,), torch.int64),
-                ("n_valid", (1,), torch.int64)] + [(n, (1,), d) for n, d in SAMPLING]
+                ("n_valid", (1,), torch.int64)] + [(n, (1,), d) for n, d in Sampling.INPUTS]
         if k:
             head.append(("next_tokens", (bucket,), torch.int64))
     k = 0 if kind == "decode" else k

@@ -8,10 +8,12 @@
     fixture.safetensors    parity fixture: prompts -> greedy ids + logits recorded from eager
     tokenizer.json, tokenizer_config.json, chat_template.jinja   (when the checkpoint has them)
 
-`load_manifest` verifies everything and fails closed with ArtifactError naming the cause.
+`Artifact.load` verifies everything once and fails closed with ArtifactError naming the cause; the
+runtime builds its executor from the Artifact it returns.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import sys
@@ -71,9 +73,8 @@ def write_manifest(out: Path, manifest: dict) -> None:
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
 
 
-def load_manifest(path: str | Path, device: str | torch.device | None = None) -> dict:
-    """Read and verify an artifact directory; `device` (default: the artifact's) must be usable."""
-    root = Path(path)
+def _verified(root: Path) -> dict:
+    """manifest.json of `root`, after checking its format, its self-hash and every file's sha256."""
     mpath = root / MANIFEST
     if not mpath.is_file():
         raise ArtifactError(f"{root} is not an onegraph artifact (no {MANIFEST})")
@@ -92,6 +93,11 @@ def load_manifest(path: str | Path, device: str | torch.device | None = None) ->
             raise ArtifactError(f"artifact file {rel} is missing")
         if sha256_file(f) != digest:
             raise ArtifactError(f"artifact file {rel}: sha256 mismatch (corrupted or modified)")
+    return m
+
+
+def _usable(m: dict, device: str | torch.device | None) -> torch.device:
+    """The device to run on (default: the artifact's), if the artifact can run there with this torch."""
     want = torch.device(device) if device is not None else torch.device(m["device"]["type"])
     if want.type != m["device"]["type"]:
         raise ArtifactError(f"artifact was exported for device {m['device']['type']!r}, cannot run on {want.type!r}")
@@ -104,19 +110,96 @@ def load_manifest(path: str | Path, device: str | torch.device | None = None) ->
     if m["ops"] != schema_versions():
         raise ArtifactError(f"artifact op schema versions {m['ops']} differ from this onegraph's "
                             f"{schema_versions()}; re-export")
-    m["_root"] = str(root)
-    m["_device"] = str(want)
-    return m
+    return want
 
 
-def load_weights(m: dict, device: torch.device) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-    try:
-        w = load_file(str(Path(m["_root"]) / m["weights"]), device=str(device))
-    except Exception as e:  # safetensors raises its own error types for truncated files
-        raise ArtifactError(f"weights file {m['weights']} cannot be read: {e}") from None
-    for name, meta in m["weight_shapes"].items():
-        if name not in w or list(w[name].shape) != meta:
-            raise ArtifactError(f"weight {name}: expected shape {meta}, found "
-                                f"{list(w[name].shape) if name in w else 'nothing'}")
-    return w
+@dataclasses.dataclass(frozen=True)
+class Artifact:
+    """A verified artifact (`Artifact.load`), to run on `device` as tensor-parallel rank `rank`.
+
+    `manifest` is manifest.json as exported (read it, do not modify it); `graphs` and `weights` name this
+    rank's files (a tensor-parallel manifest holds them as templates with {rank}); the properties are the
+    manifest fields the runtime reads."""
+    path: Path
+    manifest: dict
+    device: torch.device           # as asked (a CUDA device without an index means the current one)
+    rank: int = 0
+    graphs: dict = dataclasses.field(init=False, repr=False)     # name -> {kind, bucket, inputs, file, ...}
+    weights: str = dataclasses.field(init=False)                   # this rank's weights file, relative to path
+
+    def __post_init__(self):
+        m, r = self.manifest, self.rank
+        graphs, weights = m["graphs"], m["weights"]
+        if self.tp > 1:
+            graphs = {n: dict(g, file=g["file"].format(rank=r)) for n, g in graphs.items()}
+            weights = weights.format(rank=r)
+        object.__setattr__(self, "graphs", graphs)
+        object.__setattr__(self, "weights", weights)
+
+    @classmethod
+    def load(cls, path: str | Path, device: str | torch.device | None = None) -> "Artifact":
+        """Read and verify an artifact directory (format, hashes of every file, torch and op versions);
+        `device` (default: the artifact's) must be usable. Fails closed with ArtifactError."""
+        root = Path(path)
+        m = _verified(root)
+        return cls(root, m, _usable(m, device))
+
+    def for_rank(self, rank: int) -> "Artifact":
+        """The same artifact as tensor-parallel rank `rank` (its graph files and weight shard)."""
+        return dataclasses.replace(self, rank=rank)
+
+    @property
+    def backend(self) -> str:
+        return self.manifest["backend"]
+
+    @property
+    def dtype(self) -> str:
+        return self.manifest["dtype"]
+
+    @property
+    def model(self) -> dict:
+        """The model config (graphs/config.py ModelConfig.to_dict())."""
+        return self.manifest["model"]
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.manifest["max_seq_len"]
+
+    @property
+    def state(self) -> list[dict]:
+        """The state tensors every graph takes last: [{name, shape ("S" = slots + 1), dtype}]."""
+        return self.manifest["state"]
+
+    @property
+    def options(self) -> dict:
+        return self.manifest.get("options", {})
+
+    @property
+    def speculative_tokens(self) -> int:
+        return self.manifest.get("speculative_tokens", 0)
+
+    @property
+    def tp(self) -> int:
+        return self.manifest.get("tp", {}).get("size", 1)
+
+    @property
+    def fixture(self) -> Path:
+        return self.path / self.manifest["fixture"]
+
+    def load_weights(self, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        """This rank's weights, checked against the manifest's shapes, on `device` (default: self.device)."""
+        from safetensors.torch import load_file
+        try:
+            w = load_file(str(self.path / self.weights), device=str(device or self.device))
+        except Exception as e:  # safetensors raises its own error types for truncated files
+            raise ArtifactError(f"weights file {self.weights} cannot be read: {e}") from None
+        for name, meta in self.manifest["weight_shapes"].items():
+            if name not in w or list(w[name].shape) != meta:
+                raise ArtifactError(f"weight {name}: expected shape {meta}, found "
+                                    f"{list(w[name].shape) if name in w else 'nothing'}")
+        return w
+
+
+def load_manifest(path: str | Path, device: str | torch.device | None = None) -> dict:
+    """manifest.json of a verified artifact (Artifact.load's checks)."""
+    return Artifact.load(path, device).manifest

@@ -36,6 +36,7 @@ import time
 
 import torch
 
+from .artifact import Artifact
 from .executor import GraphExecutor, Sampling  # noqa: F401  (Sampling re-exported)
 
 log = logging.getLogger("onegraph.runtime")
@@ -110,12 +111,13 @@ class Engine:
     def from_artifact(cls, path, max_slots: int = 4, max_queue: int = 64, device: str | None = None,
                       check_parity: bool = True, cuda_graphs: bool = True,
                       speculation: bool | None = None) -> "Engine":
-        if speculation:                            # refused before anything loads
-            from .artifact import load_manifest
-            if not load_manifest(path, device).get("speculative_tokens"):
-                raise ValueError(f"{path} has no draft / verify graphs: export it with --speculative-tokens K "
-                                 f"to decode speculatively")
-        ex = GraphExecutor.from_artifact(path, max_slots=max_slots, device=device, check_parity=check_parity,
+        """An engine over an artifact: a directory (verified here, for `device`: default the artifact's) or an
+        Artifact already loaded (on its own device)."""
+        art = path if isinstance(path, Artifact) else Artifact.load(path, device)
+        if speculation and not art.speculative_tokens:     # refused before any graph loads
+            raise ValueError(f"{art.path} has no draft / verify graphs: export it with --speculative-tokens K "
+                             f"to decode speculatively")
+        ex = GraphExecutor.from_artifact(art, max_slots=max_slots, check_parity=check_parity,
                                          cuda_graphs=cuda_graphs)
         log.info("onegraph engine: %s, %d slots, decode buckets %s, prefill chunks %s, speculative tokens %s",
                  ex.path, max_slots, ex.decode_buckets, ex.prefill_buckets,
@@ -123,6 +125,16 @@ class Engine:
         if ex.fixture_report is not None:
             log.info("onegraph parity fixture: %s", ex.fixture_report)
         return cls(ex, max_queue, speculation)
+
+    @property
+    def artifact(self) -> Artifact | None:
+        """The artifact the engine runs (None over an eager executor)."""
+        return self.ex.artifact
+
+    @property
+    def fixture_report(self) -> dict | None:
+        """The load-time parity fixture's report (None when it did not run)."""
+        return self.ex.fixture_report
 
     # ---------------- caller side ----------------
     def _validate(self, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed=None) -> list[int]:
@@ -393,13 +405,12 @@ class Engine:
             part = rows[i:i + cap]
             t0 = time.perf_counter()
             if self.spec:                          # one round per row: [n_accepted, targets] read one step late
-                n_acc, targets = self.ex.spec_step([r.slot for r in part], [r.sampling for r in part])
-                ids, host_ev = torch.cat([n_acc[:, None], targets], 1), None
+                rnd = self.ex.spec_round([r.slot for r in part], [r.sampling for r in part])
+                ids, host_ev, t1 = torch.cat([rnd.n_accepted[:, None], rnd.targets], 1), None, rnd.copied_at
             else:
-                ids, _ = self.ex.decode_step([r.slot for r in part], [r.pos for r in part], [r.sampling for r in part])
-                host_ev = self.ex.host_ids
+                step = self.ex.step([r.slot for r in part], [r.pos for r in part], [r.sampling for r in part])
+                ids, host_ev, t1 = step.ids, step.host_ids, step.copied_at
             t2 = time.perf_counter()
-            t1 = self.ex.copied_at
             for r in part:
                 r.pos += 0 if self.spec else 1     # speculative: advanced when the round is read
                 r.produced += 1

@@ -15,21 +15,41 @@ take the model's state only (graphs/spec_graphs.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
 import torch
 
 from onegraph.custom_ops.sample import Sampling  # noqa: F401  (re-exported: onegraph.runtime.Sampling)
-from onegraph.graphs.signature import split_inputs, torch_dtype
+from onegraph.graphs.signature import torch_dtype
 
-from .artifact import ArtifactError, load_manifest, load_weights
+from .artifact import Artifact, ArtifactError
+
+
+@dataclasses.dataclass
+class DecodeStep:
+    """One decode step: ids [n] and logits [n, V] on the device (views a later step may overwrite),
+    perf_counter() when its inputs were in (the Engine's per-phase timings), and on the captured path
+    (pinned host ids [n], the CUDA event recorded after the graph copied them there), else None."""
+    ids: torch.Tensor
+    logits: torch.Tensor
+    copied_at: float
+    host_ids: tuple | None = None
+
+
+@dataclasses.dataclass
+class SpecRound:
+    """One speculative round: n_accepted [n] and targets [n, K+1] on the device, and when its inputs were in."""
+    n_accepted: torch.Tensor
+    targets: torch.Tensor
+    copied_at: float
 
 
 class AotiGraph:
     """One AOTInductor package with the artifact's weights bound (no copy). `loader_cls`: a class with
     torch._C._aoti.AOTIModelPackageLoader's interface to load it with (tensor parallel passes
-    runtime/tp.py's native().Loader); default torch's own."""
+    runtime/ranks.py's native().Loader); default torch's own."""
 
     def __init__(self, path: Path, weights: dict[str, torch.Tensor], device: torch.device, loader_cls=None):
         from torch._inductor import aoti_load_package
@@ -70,11 +90,11 @@ class GraphExecutor:
         # prefill writes it, every decode step gathers its rows' tokens from it and scatters the new ids back
         self.last_tok = torch.zeros(max_slots + 1, dtype=torch.int64, device=device)
         self.captured: dict = {}                   # decode bucket -> CapturedDecode (CUDA graphs)
-        self.copied_at = 0.0                       # perf_counter() when the last decode step's inputs were in
-        self.host_ids = None                       # captured decode: (pinned host ids [n], event after them), else None
         self.staging: dict = {}                    # decode bucket -> Staging (uncaptured path)
-        self.rank, self.link = 0, None             # tensor parallel: this rank, runtime/tp.py StepBroadcast
+        self.rank, self.link = 0, None             # tensor parallel: this rank, runtime/ranks.py StepBroadcast
         self.path = "eager"                        # reported at start-up and in stats()
+        self.artifact: Artifact | None = None      # what from_artifact loaded (None: the eager backend)
+        self.fixture_report: dict | None = None    # the load-time parity check's report, when it ran
         self.decode_buckets = sorted(g["bucket"] for g in graph_meta.values() if g["kind"] == "decode")
         self.prefill_buckets = sorted(g["bucket"] for g in graph_meta.values() if g["kind"] == "prefill")
         if not self.decode_buckets or not self.prefill_buckets:
@@ -82,69 +102,75 @@ class GraphExecutor:
 
     # ---- construction ----
     @classmethod
-    def from_artifact(cls, path: str | Path, max_slots: int = 4, device: str | None = None,
+    def from_artifact(cls, artifact: str | Path | Artifact, max_slots: int = 4, device: str | None = None,
                       check_parity: bool = True, cuda_graphs: bool = True) -> "GraphExecutor":
-        """Load and verify an artifact; the parity fixture is replayed unless check_parity=False.
+        """An executor over an artifact (a directory, verified here, or an Artifact already loaded, in
+        which case `device` is its own); the parity fixture is replayed unless check_parity=False.
         On CUDA, each decode bucket is captured as a CUDA graph unless cuda_graphs=False."""
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
-        m = load_manifest(path, device)
-        dev = torch.device(m["_device"])
+        art = artifact if isinstance(artifact, Artifact) else Artifact.load(artifact, device)
+        dev = art.device
         if dev.type == "cuda" and dev.index is None:
             # an explicit index: the package loader given none (-1) ran rank 1's TP graphs against cuda:0
             # (illegal memory access on 2xH200; pytorch#152087), while an explicit index worked
             dev = torch.device("cuda", torch.cuda.current_device())
-        tp, rank = m.get("tp", {}).get("size", 1), 0
-        if tp > 1:                                 # this rank's graphs and weight shard
-            from .tp import artifact_rank
-            rank = artifact_rank(m)
-            m["weights"] = m["weights"].format(rank=rank)
-            m["graphs"] = {n: dict(g, file=g["file"].format(rank=rank)) for n, g in m["graphs"].items()}
-        if m["backend"] != "aoti":
-            from .onnx_graph import onnx_graphs   # the onnxruntime backend
-            graphs = onnx_graphs(m)
-            loaded = {}
-        else:
-            weights = load_weights(m, dev)
-            loader_cls = None
-            if tp > 1:                             # graphs that wait on collectives must not hold the GIL
-                from .tp import native
-                loader_cls = native().Loader
-            loaded = {name: AotiGraph(Path(m["_root"]) / g["file"], weights, dev, loader_cls)
-                      for name, g in m["graphs"].items()}
-            graphs = {name: g.run for name, g in loaded.items()}
-        ex = cls(graphs, m["graphs"], m["state"], max_slots, m["max_seq_len"], m["model"]["vocab_size"], dev)
-        ex.manifest = m
-        ex.path = "aoti-cpu" if dev.type == "cpu" else f"{m['backend']}-{dev.type}"
+        if art.tp > 1:                             # this rank's graphs and weight shard
+            from .ranks import artifact_rank
+            art = art.for_rank(artifact_rank(art))
+        graphs, loaded = cls._load_graphs(art, dev)
+        ex = cls(graphs, art.graphs, art.state, max_slots, art.max_seq_len, art.model["vocab_size"], dev)
+        ex.artifact = art
+        ex.path = "aoti-cpu" if dev.type == "cpu" else f"{art.backend}-{dev.type}"
         if cuda_graphs and dev.type == "cuda" and loaded:
-            # tensor parallel: every rank captures its buckets in the same order (the warm-up and capture
-            # run the graph's NCCL collectives, which pair up across ranks), and replays the bytes rank 0
-            # broadcast to a device buffer, so the graphs do not copy a host staging in (copy_in)
-            from .cuda_graphs import CapturedDecode
-            ex.captured = {g["bucket"]: CapturedDecode(loaded[name].run_with_stream, g["bucket"], ex.graph_state[name],
-                                                       ex.last_tok, ex.scratch, dev, copy_in=tp == 1)
-                           for name, g in m["graphs"].items() if g["kind"] == "decode"}
-            ex.path += "+cudagraphs"
-        if tp > 1:
-            from .tp import StepBroadcast
-            # what the followers need per call: an uncaptured graph's non-state inputs, or a captured
-            # bucket's staging bytes and which of its two graphs the leader replays ("captured_b{B}_{k}")
-            inputs = {n: [(torch_dtype(i["dtype"]), i["shape"]) for i in split_inputs(g["inputs"])[0]]
-                      for n, g in m["graphs"].items()}
-            inputs.update({f"captured_b{B}_{k}": [(torch.uint8, list(c.dev.shape))]
-                           for B, c in ex.captured.items() for k in range(len(c.graphs))})
-            ex.rank, ex.link = rank, StepBroadcast(inputs, dev)
-            check_parity = check_parity and rank == 0   # rank 0 checks while the others follow()
-            ex.path += f"+tp{tp}"
-        ex.fixture_report = None
+            ex._capture(loaded, copy_in=art.tp == 1)
+        if art.tp > 1:
+            ex._link(art)
+            check_parity = check_parity and ex.rank == 0   # rank 0 checks while the others follow()
         if check_parity:
             from .fixture import check_fixture
             try:
-                ex.fixture_report = check_fixture(ex, m)
+                ex.fixture_report = check_fixture(ex, art.fixture, art.dtype, art.options.get("quant"))
             except Exception:
                 ex.stop_followers()            # tensor parallel: release them now, not at the collective timeout
                 raise
         return ex
+
+    @staticmethod
+    def _load_graphs(art: Artifact, dev: torch.device) -> tuple[dict, dict]:
+        """-> (name -> run(inputs), name -> AotiGraph: the AOTInductor graphs, which CUDA graphs capture)."""
+        if art.backend != "aoti":
+            from .onnx_graph import onnx_graphs   # the onnxruntime backend
+            return onnx_graphs(art), {}
+        weights = art.load_weights(dev)
+        loader_cls = None
+        if art.tp > 1:                             # graphs that wait on collectives must not hold the GIL
+            from .ranks import native
+            loader_cls = native().Loader
+        loaded = {name: AotiGraph(art.path / g["file"], weights, dev, loader_cls) for name, g in art.graphs.items()}
+        return {name: g.run for name, g in loaded.items()}, loaded
+
+    def _link(self, art: Artifact) -> None:
+        """Tensor parallel: this rank, and the broadcast rank 0 leads and the others follow (runtime/ranks.py)."""
+        from . import ranks
+        self.rank, self.link = art.rank, ranks.link(self, art)
+        self.path += f"+tp{art.tp}"
+
+    def _capture(self, runs: dict, copy_in: bool) -> None:
+        """Capture each decode bucket as CUDA graphs. Tensor parallel (copy_in=False): every rank captures
+        its buckets in the same order (the warm-up and capture run the graph's NCCL collectives, which
+        pair up across ranks), and replays the bytes rank 0 broadcast to a device buffer, so the graphs
+        do not copy a host staging in."""
+        from .cuda_graphs import CapturedDecode
+        self.captured = {g["bucket"]: CapturedDecode(runs[name].run_with_stream, g["bucket"], self.graph_state[name],
+                                                     self.last_tok, self.scratch, self.device, copy_in=copy_in)
+                         for name, g in self.meta.items() if g["kind"] == "decode"}
+        self.path += "+cudagraphs"
+
+    @property
+    def manifest(self) -> dict:
+        """The loaded artifact's manifest.json (read only)."""
+        return self.artifact.manifest
 
     @classmethod
     def from_model(cls, model, kinds: dict, max_slots: int, max_seq_len: int,
@@ -166,7 +192,7 @@ class GraphExecutor:
         return cls(graphs, meta, state, max_slots, max_seq_len, model.cfg.vocab_size,
                    model.embed_tokens.weight.device)
 
-    # ---- tensor parallel (runtime/tp.py) ----
+    # ---- tensor parallel (runtime/ranks.py) ----
     def follow(self) -> int:
         """Ranks > 0: replay the graphs rank 0 calls, with this rank's state, until it stops."""
         def run(name, inputs):
@@ -183,13 +209,7 @@ class GraphExecutor:
 
     # ---- steps ----
     def _sampling(self, rows: list[Sampling], n: int) -> list[torch.Tensor]:
-        pad = [Sampling()] * (n - len(rows))
-        rows = list(rows) + pad
-        d = self.device
-        return [torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=d),
-                torch.tensor([r.top_k for r in rows], dtype=torch.int64, device=d),
-                torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=d),
-                torch.tensor([r.seed for r in rows], dtype=torch.int64, device=d)]
+        return Sampling.rows(rows, n, self.device)
 
     def call(self, name: str, inputs: list[torch.Tensor]):
         if self.link is not None:                  # tensor parallel: rank 0 leads, the others replay it
@@ -252,6 +272,11 @@ class GraphExecutor:
     def decode_step(self, slots: list[int], positions: list[int], sampling: list[Sampling]):
         """One decode step of len(slots) rows, padded to a bucket: each row feeds last_tok[slot], and its
         sampled id replaces it -> (next_ids [n], logits [n, V]) (views a later step may overwrite)."""
+        step = self.step(slots, positions, sampling)
+        return step.ids, step.logits
+
+    def step(self, slots: list[int], positions: list[int], sampling: list[Sampling]) -> DecodeStep:
+        """decode_step's step, with when its inputs were in and (captured) the host copy of its ids."""
         n = len(slots)
         B = self.decode_bucket(n)
         if B in self.captured:
@@ -259,11 +284,9 @@ class GraphExecutor:
             staged = cap.stage(slots, positions, sampling)
             if self.link is not None:              # tensor parallel: the followers replay the same bytes
                 staged = self.link.lead(f"captured_b{B}_{cap.flip}", [staged])[0]
-            out = cap.replay(staged, n)
-            self.copied_at = cap.copied_at
-            self.host_ids = cap.last_host_ids(n)   # the graph copies its ids here and records an event itself
-            return out
-        self.host_ids = None
+            ids, logits = cap.replay(staged, n)
+            # the graph copies its ids to pinned memory and records an event itself
+            return DecodeStep(ids, logits, cap.copied_at, cap.last_host_ids(n))
         if B not in self.staging:                  # the same host staging the captured path copies in
             from .cuda_graphs import Staging
             self.staging[B] = Staging(B, self.scratch, pin=False)
@@ -271,15 +294,20 @@ class GraphExecutor:
         st.fill(slots, positions, sampling)
         (rows, pos, top_k, seed), (temperature, top_p) = st.ints.to(self.device), st.floats.to(self.device)
         inputs = [self.last_tok.index_select(0, rows), rows, pos, temperature, top_k, top_p, seed]
-        self.copied_at = time.perf_counter()      # copy-in ends here: the Engine's per-phase timings
+        copied_at = time.perf_counter()           # copy-in ends here
         ids, logits = self.call(f"decode_b{B}", inputs)
-        return ids[:n], logits[:n]
+        return DecodeStep(ids[:n], logits[:n], copied_at)
 
     def spec_step(self, slots: list[int], sampling: list[Sampling]):
         """One speculative round for len(slots) rows, padded to a spec bucket (graphs/spec_graphs.py step):
         each row feeds last_tok[slot] at the slot's committed length (spec.pos, on the device) ->
         (n_accepted [n], targets [n, K+1]) on the device; last_tok[slots] already holds targets[n_accepted].
         The round emits targets[:n_accepted + 1] per row. Runs uncaptured on every device."""
+        r = self.spec_round(slots, sampling)
+        return r.n_accepted, r.targets
+
+    def spec_round(self, slots: list[int], sampling: list[Sampling]) -> SpecRound:
+        """spec_step's round, with when its inputs were in."""
         n = len(slots)
         B = next((b for b in self.spec_buckets if b >= n), None)
         if B is None:
@@ -289,10 +317,10 @@ class GraphExecutor:
         inputs = [self.last_tok.index_select(0, rows), rows] + self._sampling(sampling, B)
         if self.link is not None:
             raise RuntimeError("speculative decoding runs at tp=1 (the MTP head is not sharded)")
-        self.copied_at = time.perf_counter()
+        copied_at = time.perf_counter()
         _, n_acc, targets, _ = self._run(f"spec_b{B}", inputs)
         self.last_tok[self.scratch] = 0            # padding rows keep feeding token 0
-        return n_acc[:n], targets[:n]
+        return SpecRound(n_acc[:n], targets[:n], copied_at)
 
     def generate(self, prompt: list[int], max_new_tokens: int, sampling: Sampling = Sampling(), slot: int = 0,
                  stop_ids=()):

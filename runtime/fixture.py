@@ -30,11 +30,13 @@ W8A8_SCHEMES, W8A8_TOLERANCE = ("int8", "fp8-channel"), 0.05
 ROUTER_NEAR_TIE = {k: v / 4 for k, v in TOLERANCE.items()}
 
 
-def check_fixture(executor, manifest: dict) -> dict:
+def check_fixture(executor, fixture: str | Path, dtype: str, quant: str | None = None) -> dict:
+    """Replay the fixture file's prompts on `executor` (an artifact of `dtype`, exported with --quant
+    `quant`) -> the report; ArtifactError naming the prompt and step that fails."""
     from safetensors.torch import load_file
-    fx = load_file(str(Path(manifest["_root"]) / manifest["fixture"]))
-    tol, near_tie = TOLERANCE[manifest["dtype"]], ROUTER_NEAR_TIE[manifest["dtype"]]
-    if manifest.get("options", {}).get("quant") in W8A8_SCHEMES and tol < W8A8_TOLERANCE:
+    fx = load_file(str(fixture))
+    tol, near_tie = TOLERANCE[dtype], ROUTER_NEAR_TIE[dtype]
+    if quant in W8A8_SCHEMES and tol < W8A8_TOLERANCE:
         tol, near_tie = W8A8_TOLERANCE, W8A8_TOLERANCE / 4
     worst, routing_flips, compared = 0.0, [], 0
     i = 0

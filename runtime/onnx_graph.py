@@ -1,6 +1,6 @@
 """The onnxruntime backend: an artifact's ONNX graphs as callables for GraphExecutor.
 
-    onnx_graphs(manifest) -> {name: run(inputs) -> (next_ids, logits)}
+    onnx_graphs(artifact) -> {name: run(inputs) -> (next_ids, logits)}
 
 `inputs` is the head inputs followed by the executor's state tensors. An ONNX graph cannot mutate
 its inputs, so each graph returns the new state as extra outputs (`new.<state name>`, see
@@ -23,7 +23,7 @@ import torch
 
 from onegraph.graphs.signature import NEW_STATE_PREFIX, OUTPUTS, split_inputs
 
-from .artifact import ArtifactError, load_weights
+from .artifact import Artifact, ArtifactError
 
 PROVIDER = "CPUExecutionProvider"
 _NP = {torch.float32: "float32", torch.float16: "float16", torch.int64: "int64", torch.bool: "bool"}
@@ -115,13 +115,13 @@ class OnnxGraph:
 class SharedWeights:
     """weights.safetensors loaded once; each tensor wrapped (no copy) in an OrtValue for every session."""
 
-    def __init__(self, manifest: dict):
+    def __init__(self, artifact: Artifact):
         import json
         import struct
         ort = _ort()
-        self.root = Path(manifest["_root"])
-        self.file = manifest["weights"]
-        self.tensors = load_weights(manifest, torch.device("cpu"))       # verified against the manifest
+        self.root = artifact.path
+        self.file = artifact.weights
+        self.tensors = artifact.load_weights(torch.device("cpu"))       # verified against the manifest
         with open(self.root / self.file, "rb") as f:
             n = struct.unpack("<Q", f.read(8))[0]
             self.header = json.loads(f.read(n))
@@ -150,18 +150,17 @@ class SharedWeights:
         return proto
 
 
-def onnx_graphs(manifest: dict) -> dict:
-    """Every graph of a verified manifest (load_manifest) as name -> run(inputs)."""
-    if manifest["_device"] != "cpu":
-        raise ArtifactError(f"onnx artifacts run on onnxruntime's CPU execution provider, not {manifest['_device']!r}")
-    if manifest["dtype"] != "float32":
-        raise ArtifactError(f"onnx artifact has dtype {manifest['dtype']!r}; the onnx backend runs float32 only")
-    weights = SharedWeights(manifest)
+def onnx_graphs(artifact: Artifact) -> dict:
+    """Every graph of a verified artifact (Artifact.load) as name -> run(inputs)."""
+    if str(artifact.device) != "cpu":
+        raise ArtifactError(f"onnx artifacts run on onnxruntime's CPU execution provider, not {str(artifact.device)!r}")
+    if artifact.dtype != "float32":
+        raise ArtifactError(f"onnx artifact has dtype {artifact.dtype!r}; the onnx backend runs float32 only")
+    weights = SharedWeights(artifact)
     threads = torch.get_num_threads()
-    root = Path(manifest["_root"])
     graphs, scratch = {}, {}
-    for name, g in manifest["graphs"].items():
-        graph = OnnxGraph(root / g["file"], g, weights, scratch, threads)
+    for name, g in artifact.graphs.items():
+        graph = OnnxGraph(artifact.path / g["file"], g, weights, scratch, threads)
         graph.weights = weights       # the sessions use its memory: it lives as long as the graph
         graphs[name] = graph.run
     return graphs

@@ -1,5 +1,11 @@
-"""Tensor-parallel replay: every rank replays its own graphs (its weight shard, collectives inside
-the graph); rank 0 decides what runs and broadcasts each step to the others.
+"""Tensor-parallel replay, the whole rank lifecycle: every rank replays its own graphs (its weight
+shard, collectives inside the graph); rank 0 decides what runs and broadcasts each step to the others.
+(graphs/tp.py shards the model; this file runs the shards.)
+
+    artifact = lead_or_follow(path, max_slots=..)   # under torchrun: join the process group; ranks > 0
+                                                    # follow rank 0 here until it stops -> None
+    engine = Engine.from_artifact(artifact, ...)    # rank 0 (or a single process) runs the engine
+    ...; engine.close(); leave()                    # close() releases the followers
 
 Protocol, per graph call on rank 0 (the leader): ONE broadcast of a packed byte buffer holding a
 header [graph index] (or [-1] = stop) and that graph's non-state inputs (tokens, slots, positions,
@@ -45,6 +51,10 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 300
+
+
+class FollowerError(RuntimeError):
+    """A rank > 0 lost its leader (rank 0 exited or stopped answering); the message names the rank."""
 
 
 def launched_by_torchrun() -> bool:
@@ -183,23 +193,62 @@ class StepBroadcast:
             self.header.fill_(-1)
             dist.broadcast(self.buf, 0)
 
+    def receive(self) -> tuple[str | None, list[torch.Tensor]]:
+        """Ranks > 0: the next call rank 0 broadcasts -> (graph name, its inputs as views into the buffer),
+        or (None, []) once it stopped."""
+        dist.broadcast(self.buf, 0)
+        idx = int(self.header[0])
+        if idx < 0:
+            return None, []
+        name = self.names[idx]
+        return name, self.inputs[name]
+
     def follow(self, run) -> int:
         """Ranks > 0: replay what rank 0 broadcasts until it stops -> number of graph calls."""
         n = 0
         while True:
-            dist.broadcast(self.buf, 0)
-            idx = int(self.header[0])
-            if idx < 0:
+            name, inputs = self.receive()
+            if name is None:
                 return n
-            name = self.names[idx]
-            run(name, self.inputs[name])
+            run(name, inputs)
             n += 1
 
 
-def artifact_rank(m: dict) -> int:
-    """This process's rank for a tensor-parallel artifact; fails closed unless the process group
+def lead_or_follow(path, max_slots: int, device: str | None = None, cuda_graphs: bool = True,
+                   timeout_s: float = DEFAULT_TIMEOUT_S):
+    """Load and verify the artifact at `path`. Under torchrun, join the process group first; ranks > 0
+    then load their shard with the same slots as rank 0 (the slot ids it broadcasts index their state
+    too) and replay rank 0's steps until it stops -> None (FollowerError if it vanishes). -> the
+    Artifact on rank 0 and outside torchrun: the caller runs the engine on it."""
+    from .artifact import Artifact
+    art = Artifact.load(path, device)
+    if not launched_by_torchrun():
+        return art
+    rank, _ = init_from_torchrun(art.device.type, timeout_s)
+    if rank == 0:
+        return art
+    import signal
+
+    from .executor import GraphExecutor
+    ex = GraphExecutor.from_artifact(art, max_slots=max_slots, cuda_graphs=cuda_graphs)
+    # rank 0 owns the lifetime: the SIGTERM/SIGINT that torchrun or a terminal sends every rank makes
+    # rank 0 shut down gracefully and release this rank (stop()); dying here first would fail rank 0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        ex.follow()
+    except RuntimeError as e:          # rank 0 exited or stopped answering
+        raise FollowerError(f"tensor-parallel rank {rank}: {e}") from None
+    finally:
+        leave()
+    return None
+
+
+def artifact_rank(artifact) -> int:
+    """This process's rank for a tensor-parallel Artifact; fails closed unless the process group
     matches what the graphs were exported for (size, and the group name baked into the collectives)."""
     from .artifact import ArtifactError
+    m = artifact.manifest
     tp = m["tp"]["size"]
     if not dist.is_initialized() or dist.get_world_size() != tp:
         have = dist.get_world_size() if dist.is_initialized() else 1
@@ -210,3 +259,15 @@ def artifact_rank(m: dict) -> int:
         raise ArtifactError(f"artifact collectives were exported for process group {m['tp']['group_name']!r}, "
                             f"this default group is {name!r}")
     return dist.get_rank()
+
+
+def link(ex, artifact) -> "StepBroadcast":
+    """The broadcast of a tensor-parallel executor over `artifact` (this rank's): what the followers need
+    per call is an uncaptured graph's non-state inputs, or a captured bucket's staging bytes and which of
+    its two graphs the leader replays ("captured_b{B}_{k}")."""
+    from onegraph.graphs.signature import split_inputs, torch_dtype
+    inputs = {n: [(torch_dtype(i["dtype"]), i["shape"]) for i in split_inputs(g["inputs"])[0]]
+              for n, g in artifact.graphs.items()}
+    inputs.update({f"captured_b{B}_{k}": [(torch.uint8, list(c.dev.shape))]
+                   for B, c in ex.captured.items() for k in range(len(c.graphs))})
+    return StepBroadcast(inputs, ex.device)

@@ -54,9 +54,9 @@ class _Server:
         self.name = served_model_name
         self.api_key = api_key
         self.codec = codec
-        m = engine.ex.manifest
-        self.max_seq_len = int(m["max_seq_len"])
-        self.eos_ids = tuple(int(i) for i in m["model"].get("eos_token_ids") or ())
+        art = engine.artifact
+        self.max_seq_len = int(art.max_seq_len)
+        self.eos_ids = tuple(int(i) for i in art.model.get("eos_token_ids") or ())
         self.metrics = Metrics(engine)
         self.created = int(time.time())
         self.draining = False
@@ -326,7 +326,7 @@ class _GuardedRoute(APIRoute):
 
 
 def create_app(engine, served_model_name: str, api_key: str | None = None, codec: TextCodec | None = None) -> FastAPI:
-    codec = codec or TextCodec.from_artifact(engine.ex.manifest["_root"])
+    codec = codec or TextCodec.from_artifact(engine.artifact.path)
     srv = _Server(engine, served_model_name, api_key, codec)
     app = FastAPI(title="onegraph", docs_url=None, redoc_url=None, openapi_url=None)
     app.router.route_class = _GuardedRoute             # before the routes below are added

@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from onegraph.graphs.eager import SamplingParams, generate_eager
+from onegraph.custom_ops.sample import Sampling
+from onegraph.graphs.eager import generate_eager
 from onegraph.graphs.load import load_model
 from onegraph.graphs.tiny import TINY_HF_CONFIG, write_tiny
 
@@ -101,7 +102,7 @@ def test_generate_prompt_ids_matches_in_process(runs, tiny_model):
 def test_generate_sampled_matches_in_process(runs, tiny_model):
     _, model, _ = tiny_model
     res = last_json(runs["sampled"])
-    ref = generate_eager(model, [9, 8, 7], 12, SamplingParams(temperature=0.9, seed=5))
+    ref = generate_eager(model, [9, 8, 7], 12, Sampling(temperature=0.9, seed=5))
     assert res["token_ids"] == ref.token_ids
     assert res["token_ids"] != generate_eager(model, [9, 8, 7], 12).token_ids   # really sampled
 

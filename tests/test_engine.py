@@ -5,7 +5,8 @@ import asyncio
 import canary
 import pytest
 
-from onegraph.graphs.eager import SamplingParams, generate_eager
+from onegraph.custom_ops.sample import Sampling
+from onegraph.graphs.eager import generate_eager
 from onegraph.runtime import Engine
 
 COLOUR_CANARY = canary.PROMPTS["colour"]
@@ -20,7 +21,7 @@ def engine(tiny_artifact):
 
 
 def solo(model, prompt, n, **sp):
-    return generate_eager(model, prompt, n, SamplingParams(**sp), max_seq_len=256).token_ids
+    return generate_eager(model, prompt, n, Sampling(**sp), max_seq_len=256).token_ids
 
 
 def test_replay_equals_eager_64_tokens(engine, tiny_eager):

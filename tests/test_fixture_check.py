@@ -32,7 +32,7 @@ def _fixture(tmp_path, margins):
         fx |= {f"prompt{i}": torch.tensor([i + 1, 2, 3]), f"ids{i}": logits.argmax(-1), f"logits{i}": logits,
                f"router_margin{i}": torch.tensor(m, dtype=torch.float32)}
     save_file(fx, str(tmp_path / "fixture.safetensors"))
-    return fx, {"_root": str(tmp_path), "fixture": "fixture.safetensors", "dtype": "bfloat16"}
+    return fx, (tmp_path / "fixture.safetensors", "bfloat16")
 
 
 WIDE, TIE = 1.0, ROUTER_NEAR_TIE["bfloat16"] / 2
@@ -42,7 +42,7 @@ BIG = 4 * TOLERANCE["bfloat16"]
 def test_divergence_at_a_router_near_tie_ends_that_prompt(tmp_path):
     fx, m = _fixture(tmp_path, [[WIDE, WIDE, TIE, WIDE], [WIDE] * STEPS])
     bumps = {(0, 2): BIG * torch.eye(V)[5], (0, 3): BIG * torch.eye(V)[7]}
-    rep = check_fixture(Replay(fx, bumps), m)
+    rep = check_fixture(Replay(fx, bumps), *m)
     assert rep["routing_flips"] == [{"prompt": 0, "step": 2, "logit_diff": BIG, "router_margin": round(TIE, 5)}]
     assert rep["max_logit_diff"] == 0.0
 
@@ -50,16 +50,16 @@ def test_divergence_at_a_router_near_tie_ends_that_prompt(tmp_path):
 def test_divergence_with_wide_router_margins_fails(tmp_path):
     fx, m = _fixture(tmp_path, [[WIDE] * STEPS, [WIDE] * STEPS])
     with pytest.raises(ArtifactError, match="prompt 1 step 2: logits differ"):
-        check_fixture(Replay(fx, {(1, 2): BIG * torch.eye(V)[5]}), m)
+        check_fixture(Replay(fx, {(1, 2): BIG * torch.eye(V)[5]}), *m)
 
 
 def test_a_near_tie_in_the_prefill_excuses_later_steps_but_a_fixture_of_prefill_flips_fails(tmp_path):
     fx, m = _fixture(tmp_path, [[TIE, WIDE, WIDE, WIDE], [WIDE] * STEPS])
-    assert check_fixture(Replay(fx, {(0, 3): BIG * torch.eye(V)[5]}), m)["routing_flips"][0]["step"] == 3
+    assert check_fixture(Replay(fx, {(0, 3): BIG * torch.eye(V)[5]}), *m)["routing_flips"][0]["step"] == 3
     fx, m = _fixture(tmp_path, [[TIE, WIDE, WIDE, WIDE], [TIE, WIDE, WIDE, WIDE]])
     bumps = {(0, 0): BIG * torch.eye(V)[5], (1, 0): BIG * torch.eye(V)[5]}
     with pytest.raises(ArtifactError, match="no prompt could be compared"):
-        check_fixture(Replay(fx, bumps), m)
+        check_fixture(Replay(fx, bumps), *m)
 
 
 def test_a_fixture_without_router_margins_is_strict(tmp_path):
@@ -67,4 +67,4 @@ def test_a_fixture_without_router_margins_is_strict(tmp_path):
     fx = {k: v for k, v in fx.items() if not k.startswith("router_margin")}
     save_file(fx, str(tmp_path / "fixture.safetensors"))
     with pytest.raises(ArtifactError, match="prompt 0 step 1"):
-        check_fixture(Replay(fx, {(0, 1): BIG * torch.eye(V)[5]}), m)
+        check_fixture(Replay(fx, {(0, 1): BIG * torch.eye(V)[5]}), *m)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from onegraph.graphs.eager import SamplingParams, generate_eager
+from onegraph.custom_ops.sample import Sampling
+from onegraph.graphs.eager import generate_eager
 from onegraph.graphs.fuse import fuse_projections
 from onegraph.graphs.load import load_model
 
@@ -20,8 +21,8 @@ def test_fused_model_generates_what_the_separate_projections_do():
                        sep.layers[0].linear_attn.in_proj_qkv.weight)
     assert torch.equal(w[-1], sep.layers[0].linear_attn.in_proj_a.weight[-1])
     prompt = [72, 101, 108, 108, 111, 44, 32]
-    a = generate_eager(sep, prompt, 12, SamplingParams())
-    b = generate_eager(fused, prompt, 12, SamplingParams())
+    a = generate_eager(sep, prompt, 12, Sampling())
+    b = generate_eager(fused, prompt, 12, Sampling())
     assert a.token_ids == b.token_ids
     diff = max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits))
     assert diff <= 1e-5, f"fp32 logits moved by {diff} (only the GEMM's summation order may differ)"

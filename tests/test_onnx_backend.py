@@ -6,15 +6,16 @@ exporting is the slow part. The executor uses max_slots=4 (S = 5), not the S = 3
 example, so the dynamic slot dimension is exercised too.
 """
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 from onegraph.custom_ops import PYTHON_CALLS
 from onegraph.export.pipeline import ExportOptions, export
-from onegraph.graphs.eager import SamplingParams, generate_eager
+from onegraph.graphs.eager import generate_eager
 from onegraph.graphs.load import load_model
-from onegraph.runtime.artifact import ArtifactError, load_manifest
+from onegraph.runtime.artifact import Artifact, ArtifactError
 from onegraph.runtime.executor import GraphExecutor, Sampling
 
 LOGIT_TOL = 1e-4
@@ -63,7 +64,7 @@ def test_artifact_loads_and_fixture_passes(executor, tiny_onnx):
 
 
 def test_greedy_matches_eager_and_runs_no_python(executor, tiny_model):
-    refs = [generate_eager(tiny_model, p, NEW_TOKENS, SamplingParams(), max_seq_len=MAX_SEQ) for p in PROMPTS]
+    refs = [generate_eager(tiny_model, p, NEW_TOKENS, Sampling(), max_seq_len=MAX_SEQ) for p in PROMPTS]
     PYTHON_CALLS.clear()
     for i, (p, ref) in enumerate(zip(PROMPTS, refs)):
         ids, logits = executor.generate(p, NEW_TOKENS, slot=i % executor.max_slots)
@@ -72,7 +73,7 @@ def test_greedy_matches_eager_and_runs_no_python(executor, tiny_model):
 
 
 def test_seeded_sampling_matches_eager(executor, tiny_model):
-    sp = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=1234)
+    sp = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=1234)
     ref = generate_eager(tiny_model, PROMPTS[1], 16, sp, max_seq_len=MAX_SEQ)
     ids, logits = executor.generate(PROMPTS[1], 16, Sampling(0.8, 20, 0.9, 1234), slot=1)
     assert_stream(ids, logits, ref, "sampled stream")
@@ -104,29 +105,30 @@ def test_two_row_decode_equals_each_row_alone(executor):
 
 def test_load_fails_closed(tiny_onnx, tmp_path):
     from onegraph.runtime.onnx_graph import onnx_graphs
-    m = load_manifest(tiny_onnx)
+    art = Artifact.load(tiny_onnx)
+    m = art.manifest
 
     missing = copy.deepcopy(m)
     missing["graphs"]["decode_b1"]["file"] = "graphs/nope.onnx"
     with pytest.raises(ArtifactError, match="nope.onnx is missing"):
-        onnx_graphs(missing)
+        onnx_graphs(dataclasses.replace(art, manifest=missing))
 
     garbage = tmp_path / "garbage.onnx"
     garbage.write_bytes(b"not a protobuf at all")
     bad = copy.deepcopy(m)
     bad["graphs"]["decode_b1"]["file"] = str(garbage)
     with pytest.raises(ArtifactError, match="garbage.onnx"):
-        onnx_graphs(bad)
+        onnx_graphs(dataclasses.replace(art, manifest=bad))
 
     renamed = copy.deepcopy(m)
     renamed["graphs"]["prefill_t16"]["inputs"][0]["name"] = "token_ids"
     with pytest.raises(ArtifactError, match="prefill_t16.onnx: inputs"):
-        onnx_graphs(renamed)
+        onnx_graphs(dataclasses.replace(art, manifest=renamed))
 
     no_weight = copy.deepcopy(m)
     no_weight["weight_shapes"] = dict(no_weight["weight_shapes"], **{"model.not_a_weight": [3]})
     with pytest.raises(ArtifactError, match="model.not_a_weight"):
-        onnx_graphs(no_weight)
+        onnx_graphs(dataclasses.replace(art, manifest=no_weight))
 
 
 def test_onnx_export_refuses_half_dtypes():
@@ -151,7 +153,7 @@ def test_transformers_checkpoint(tmp_path):
     assert ex.fixture_report["max_logit_diff"] <= LOGIT_TOL
     model = load_model(src, "float32")[1]
     prompt = [(11 * i + 5) % 300 for i in range(21)]
-    ref = generate_eager(model, prompt, 16, SamplingParams(), max_seq_len=64)
+    ref = generate_eager(model, prompt, 16, Sampling(), max_seq_len=64)
     PYTHON_CALLS.clear()
     ids, logits = ex.generate(prompt, 16)
     assert not PYTHON_CALLS

@@ -242,7 +242,7 @@ class _Broken:
     """An engine whose submit hits a bug: the request fails with 500, the server lives on."""
 
     def __init__(self, real):
-        self.ex, self.real = real.ex, real
+        self.artifact, self.real = real.artifact, real
 
     def submit(self, *a, **k):
         raise KeyError("boom")
@@ -308,7 +308,7 @@ class ScriptedEngine:
     """Emits a fixed text's token ids (on a thread, like the real engine), then "stop"."""
 
     def __init__(self, real, codec, script):
-        self.ex, self.codec, self.script = real.ex, codec, script
+        self.artifact, self.codec, self.script = real.artifact, codec, script
         self.active = 0
 
     def submit(self, prompt_ids, emit, max_new_tokens=16, temperature=0.0, top_k=0, top_p=1.0, seed=None,

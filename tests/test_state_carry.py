@@ -17,14 +17,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from onegraph.graphs.eager import SamplingParams, generate_eager
+from onegraph.custom_ops.sample import Sampling
+from onegraph.graphs.eager import generate_eager
 from onegraph.graphs.load import load_model
 from onegraph.graphs.qwen3_5 import new_state, state_spec
 
 ops = torch.ops.onegraph
 LOGIT_TOL = 1e-4
 STATE_TOL = 1e-5
-GREEDY = SamplingParams()
+GREEDY = Sampling()
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -46,7 +47,7 @@ def prompt(n, seed=0, vocab=256):
 
 
 def sampling_rows(params):
-    """list of SamplingParams -> the four per-row sampling tensors."""
+    """list of Sampling -> the four per-row sampling tensors."""
     return [torch.tensor([p.temperature for p in params], dtype=torch.float32),
             torch.tensor([p.top_k for p in params], dtype=torch.int64),
             torch.tensor([p.top_p for p in params], dtype=torch.float32),
@@ -193,7 +194,7 @@ def test_padded_prefill_matches_exact(tiny, start, n, bucket):
     cfg, model = tiny
     ids = prompt(start + n, seed=4)
     tmax = start + bucket + 2
-    sp = SamplingParams(temperature=0.9, seed=7)
+    sp = Sampling(temperature=0.9, seed=7)
     base = new_state(cfg, 3, tmax, torch.float32)
     randomise_state(base, seed=5)           # other slots hold live data that must survive
     for t in base:
@@ -227,7 +228,7 @@ def test_batch_decode_matches_single(tiny, order):
     lens = [3 + 11 * s for s in range(n_slots)]
     prompts = [prompt(lens[s], seed=20 + s) for s in range(n_slots)]
     tmax = max(lens) + 8
-    sps = {s: SamplingParams(temperature=0.0 if s % 2 else 0.8, top_k=0 if s % 3 else 20, seed=100 + s)
+    sps = {s: Sampling(temperature=0.0 if s % 2 else 0.8, top_k=0 if s % 3 else 20, seed=100 + s)
            for s in range(n_slots)}
     batch = new_state(cfg, n_slots, tmax, torch.float32)
     nxt = {}
@@ -287,9 +288,9 @@ def test_sample_independent_of_batch_neighbours():
 def test_seeded_generation_reproducible_and_seed_sensitive(tiny):
     _, model = tiny
     ids = prompt(6, seed=8)
-    a = generate_eager(model, ids, 32, SamplingParams(temperature=1.0, seed=11))
-    b = generate_eager(model, ids, 32, SamplingParams(temperature=1.0, seed=11))
-    c = generate_eager(model, ids, 32, SamplingParams(temperature=1.0, seed=12))
+    a = generate_eager(model, ids, 32, Sampling(temperature=1.0, seed=11))
+    b = generate_eager(model, ids, 32, Sampling(temperature=1.0, seed=11))
+    c = generate_eager(model, ids, 32, Sampling(temperature=1.0, seed=12))
     greedy = generate_eager(model, ids, 32)
     assert len(a.token_ids) == 32
     assert a.token_ids == b.token_ids, "same seed, different stream across runs"
@@ -301,7 +302,7 @@ def test_top_k_1_is_greedy(tiny):
     _, model = tiny
     ids = prompt(6, seed=9)
     greedy = generate_eager(model, ids, 16)
-    top1 = generate_eager(model, ids, 16, SamplingParams(temperature=1.5, top_k=1, seed=3))
+    top1 = generate_eager(model, ids, 16, Sampling(temperature=1.5, top_k=1, seed=3))
     assert top1.token_ids == greedy.token_ids
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(64, 100, generator=g)

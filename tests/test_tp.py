@@ -35,7 +35,8 @@ import torch
 import torch.multiprocessing as mp
 
 from onegraph.graphs.config import ModelConfig
-from onegraph.graphs.eager import SamplingParams, generate_eager
+from onegraph.custom_ops.sample import Sampling
+from onegraph.graphs.eager import generate_eager
 from onegraph.graphs.load import load_model
 from onegraph.graphs.tiny import TINY_HF_CONFIG
 from onegraph.graphs.tp import check_divisible, local_dims, shard_state_dict, unshard
@@ -44,7 +45,7 @@ from tp_helpers import first_diff, free_port, torchrun, tp_generate, tp_serve_co
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 10, 5, 200, 17]
 STEPS = 32
 LOGIT_TOL = 1e-4
-SEEDED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7)
+SEEDED = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=7)
 
 
 @pytest.fixture(scope="module")
@@ -182,14 +183,13 @@ def _fixture_worker(rank, tp, port, root, out_path):
     with _gloo_rank(rank, tp, port):
         _, model, _ = load_model("tiny", "bfloat16", tp=tp, rank=rank)
         ex = GraphExecutor.from_model(model, {"decode": [1], "prefill": [64]}, max_slots=1, max_seq_len=64)
-        m = {"_root": root, "fixture": "fixture.safetensors", "dtype": "bfloat16"}
-        report = check_fixture(ex, m)
+        report = check_fixture(ex, f"{root}/fixture.safetensors", "bfloat16")
         fx = load_file(f"{root}/fixture.safetensors")
         if rank == 0:
             save_file({k: v for k, v in fx.items() if not k.startswith("router_margin")}, f"{root}/strict.safetensors")
         dist.barrier()
         try:
-            check_fixture(ex, dict(m, fixture="strict.safetensors"))
+            check_fixture(ex, f"{root}/strict.safetensors", "bfloat16")
             strict = "passed"
         except ArtifactError as e:
             strict = str(e)

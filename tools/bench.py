@@ -66,7 +66,7 @@ def engine_host_us(artifact: Path, device: str, n_tokens: int = 64, runs: int = 
 
     from onegraph.runtime import Engine
     eng = Engine.from_artifact(artifact, max_slots=1, device=device, check_parity=False)
-    n_tokens = min(n_tokens, eng.ex.max_seq_len - 3)          # the prompt is 3 tokens
+    n_tokens = min(n_tokens, eng.artifact.max_seq_len - 3)    # the prompt is 3 tokens
     per_run = []
     try:
         eng.generate([1, 2, 3], 8)
@@ -121,9 +121,7 @@ def _tp_init(args) -> tuple[int, int]:
     """(rank, tp): (0, 1) outside torchrun. An existing --artifact must be for --dtype / --device (the eager
     side is built from them); under torchrun it must exist and be exported for exactly this many ranks
     (bench does not export per rank)."""
-    import os
-
-    from onegraph.runtime import tp as tpr
+    from onegraph.runtime import ranks
     from onegraph.runtime.artifact import load_manifest
     m = None
     if args.artifact and (Path(args.artifact) / "manifest.json").is_file():
@@ -131,22 +129,24 @@ def _tp_init(args) -> tuple[int, int]:
         if (m["dtype"], m["device"]["type"]) != (args.dtype, torch.device(args.device).type):
             raise BenchError(f"artifact {args.artifact} is {m['dtype']} on {m['device']['type']}: pass --dtype "
                              f"{m['dtype']} --device {m['device']['type']}")
-    if not tpr.launched_by_torchrun():
+    if not ranks.launched_by_torchrun():
         return 0, 1
     if m is None:
         raise BenchError("under torchrun, bench replays an exported tensor-parallel artifact: pass --artifact DIR "
                          "(onegraph export MODEL --tp N --out DIR)")
-    tp, world = m.get("tp", {}).get("size", 1), int(os.environ["WORLD_SIZE"])
+    rank, world = ranks.init_from_torchrun(m["device"]["type"])
+    tp = m.get("tp", {}).get("size", 1)
     if tp != world:
+        ranks.leave()
         raise BenchError(f"artifact {args.artifact} is exported for tp={tp}, launched with {world} ranks")
-    return tpr.init_from_torchrun(m["device"]["type"])
+    return rank, world
 
 
 def run(args) -> dict | None:
     """-> the results (None on tensor-parallel ranks > 0)."""
     from onegraph.export.pipeline import ExportOptions, export
     from onegraph.graphs.load import load_model, model_dir
-    from onegraph.runtime import tp as tpr
+    from onegraph.runtime import ranks
     from onegraph.runtime.executor import GraphExecutor
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -181,7 +181,7 @@ def run(args) -> dict | None:
             return None
         engine = engine_host_us(artifact, args.device)
     finally:
-        tpr.leave()
+        ranks.leave()
     rows = [{"batch": B, "replay_ms_per_step": round(r_ms[B], 4), "eager_ms_per_step": round(e_ms[B], 4),
              "replay_tok_s": round(B / r_ms[B] * 1e3, 1), "eager_tok_s": round(B / e_ms[B] * 1e3, 1),
              "replay_speedup_vs_eager": round(e_ms[B] / r_ms[B], 2)} for B in batch]

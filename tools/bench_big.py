@@ -301,6 +301,7 @@ def bench_batch(model, weights, B: int, args, dev, bw: float) -> dict:
     from onegraph.graphs.qwen3_5 import new_state
     from onegraph.runtime.cuda_graphs import CapturedDecode
     from onegraph.runtime.executor import Sampling
+    from onegraph.runtime.ranks import StepBroadcast
     cfg, r = model.cfg, {"batch": B}
     graph = lower(model, weights, "decode", B, args, dev, r)
     t = time.time()
@@ -308,8 +309,9 @@ def bench_batch(model, weights, B: int, args, dev, bw: float) -> dict:
     last_tok = torch.arange(1, B + 2, device=dev)                  # [B + 1]: slot B is the scratch slot
     slots = torch.arange(B, device=dev)
     eager_in = [last_tok[:B].clone(), slots, torch.full((B,), args.position, device=dev)] + Sampling().tensors(B, dev)
-    # tensor parallel: the runtime's leader broadcasts each step's inputs (one packed buffer) first
-    link = torch.zeros(8 * (len(eager_in) * B + 1), dtype=torch.uint8, device=dev) if model.tp > 1 else None
+    # tensor parallel: the runtime's step broadcast (one packed buffer) first, led by rank 0, received by the others
+    link = StepBroadcast({"decode": [(t.dtype, list(t.shape)) for t in eager_in]}, dev) if model.tp > 1 else None
+    bcast = None if link is None else (lambda: link.lead("decode", eager_in)) if args.rank == 0 else link.receive
 
     def timed(step, n: int) -> float:
         for _ in range(3):
@@ -317,8 +319,8 @@ def bench_batch(model, weights, B: int, args, dev, bw: float) -> dict:
         _sync(dev)
         t = time.perf_counter()
         for _ in range(n):
-            if link is not None:
-                torch.distributed.broadcast(link, 0)
+            if bcast is not None:
+                bcast()
             step()
         _sync(dev)
         return (time.perf_counter() - t) / n * 1e3
@@ -448,7 +450,7 @@ def main(argv=None) -> int:
     from onegraph.graphs.fuse import fuse_projections
     from onegraph.graphs.load import shard_model
     from onegraph.graphs.tiny import QWEN35_35B_A3B_HF_CONFIG, TINY_HF_CONFIG, random_model
-    from onegraph.runtime.tp import init_from_torchrun, leave, native
+    from onegraph.runtime.ranks import init_from_torchrun, leave, native
     hf = dict(QWEN35_35B_A3B_HF_CONFIG if args.shape == "qwen3.5-35b-a3b" else TINY_HF_CONFIG)
     args.layers_full = hf["num_hidden_layers"]
     if not 0 <= args.layers <= args.layers_full:

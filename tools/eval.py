@@ -87,8 +87,9 @@ def executor(spec: str, ctx: int, batch: int | None, dtype: str | None, device: 
     """-> (GraphExecutor, rows per step, tokenizer dir, mode, dtype name) for a model or an artifact."""
     from onegraph.runtime.executor import GraphExecutor
     if (Path(spec) / "manifest.json").is_file():
-        from onegraph.runtime.artifact import load_manifest
-        m = load_manifest(spec, device)
+        from onegraph.runtime.artifact import Artifact
+        art = Artifact.load(spec, device)
+        m = art.manifest
         if m.get("tp", {}).get("size", 1) != 1:
             raise EvalError(f"{spec} is a tensor-parallel artifact; eval runs TP-1 artifacts")
         if quant is not None:
@@ -101,7 +102,7 @@ def executor(spec: str, ctx: int, batch: int | None, dtype: str | None, device: 
             raise EvalError(f"--ctx {ctx} exceeds the artifact's max_seq_len {m['max_seq_len']}")
         biggest = max(g["bucket"] for g in m["graphs"].values() if g["kind"] == "decode")
         rows = min(batch or biggest, biggest)
-        ex = GraphExecutor.from_artifact(spec, max_slots=rows, device=device)
+        ex = GraphExecutor.from_artifact(art, max_slots=rows)
         return ex, rows, Path(spec), ex.path, m["dtype"]
     from onegraph.graphs.load import load_model
     dtype = dtype or "float32"

@@ -33,14 +33,13 @@ def eager_twin(ex):
     from onegraph.graphs.config import ModelConfig
     from onegraph.graphs.fuse import fuse_projections
     from onegraph.graphs.qwen3_5 import Qwen35Model
-    from onegraph.runtime.artifact import load_weights
     from onegraph.runtime.executor import GraphExecutor
-    m = ex.manifest
+    m = ex.artifact.manifest
     with torch.device("meta"):
         model = Qwen35Model(ModelConfig.from_dict(m["model"]), m.get("tp", {}).get("size", 1),
                             fp32_reduce=m["options"].get("fp32_reduce", False))
     fuse_projections(model)                      # the artifact's weights are the concatenated projections
-    weights = {k.removeprefix("model."): v for k, v in load_weights(m, ex.device).items()}
+    weights = {k.removeprefix("model."): v for k, v in ex.artifact.load_weights(ex.device).items()}
     inv_freq = weights.pop("inv_freq")           # a buffer the graphs hold as a constant; not in state_dict()
     model.load_state_dict(weights, strict=True, assign=True)
     model.inv_freq = inv_freq
@@ -57,7 +56,7 @@ def lockstep(ex, prompt: list[int], steps: int) -> dict:
     from onegraph.graphs.eager import router_margins
     from onegraph.runtime.executor import Sampling
     from onegraph.runtime.fixture import TOLERANCE
-    m = ex.manifest
+    m = ex.artifact.manifest
     tol = TOLERANCE[m["dtype"]]
     model, eager = eager_twin(ex)
     names = [t["name"] for t in m["state"]]
@@ -97,13 +96,14 @@ def main(argv=None) -> int:
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
     p.add_argument("--out", help="write the JSON report here ({rank} is replaced by the rank)")
     args = p.parse_args(argv)
-    from onegraph.runtime import tp as tpr
-    from onegraph.runtime.artifact import ArtifactError, load_manifest
+    from onegraph.runtime import ranks
+    from onegraph.runtime.artifact import Artifact, ArtifactError
     from onegraph.runtime.executor import GraphExecutor
     try:
         prompt = [int(t) for t in args.prompt_ids.split(",")]
-        rank, _ = tpr.init_from_torchrun(load_manifest(args.artifact, args.device)["device"]["type"])
-        ex = GraphExecutor.from_artifact(args.artifact, max_slots=1, device=args.device, check_parity=False,
+        art = Artifact.load(args.artifact, args.device)
+        rank, _ = ranks.init_from_torchrun(art.device.type)
+        ex = GraphExecutor.from_artifact(art, max_slots=1, check_parity=False,
                                          cuda_graphs=args.cuda_graphs)
         if len(prompt) + args.steps > ex.max_seq_len:
             raise ValueError(f"prompt ({len(prompt)}) + steps ({args.steps}) exceed max_seq_len {ex.max_seq_len}")
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
-        tpr.leave()
+        ranks.leave()
     if args.out:
         with open(args.out.format(rank=rank), "w") as f:
             json.dump(report, f, indent=1)
