@@ -25,10 +25,8 @@ from pathlib import Path
 
 import torch
 
-
-def _sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+from .bench_common import hf_decode_ms
+from .bench_common import sync as _sync
 
 
 def time_decode(executor, B: int, steps: int, warmup: int = 5) -> float:
@@ -93,24 +91,6 @@ def transformers_ms(model_dir: Path, device: str, dtype: torch.dtype, steps: int
         return None
     model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
     return hf_decode_ms(model, 1, steps, device)
-
-
-@torch.no_grad()
-def hf_decode_ms(model, B: int, steps: int, device, prompt_len: int = 3) -> float:
-    """ms per greedy decode step of a transformers model at batch B, after a prompt_len-token prefill."""
-    ids = torch.arange(1, prompt_len + 1, device=device).repeat(B, 1)                # [B, prompt_len]
-    out = model(input_ids=ids, use_cache=True)
-    cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    for _ in range(3):
-        out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
-        cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    _sync(device)
-    t = time.perf_counter()
-    for _ in range(steps):
-        out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
-        cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    _sync(device)
-    return (time.perf_counter() - t) / steps * 1e3
 
 
 class BenchError(ValueError):

@@ -38,6 +38,9 @@ from pathlib import Path
 
 import torch
 
+from .bench_common import REGIONS, bytes_per_step, hf_decode_ms
+from .bench_common import sync as _sync
+
 
 LAYERS_METHOD = (
     "--layers N: the model has the first N of the full model's decoder layers (the same layer pattern), every "
@@ -85,36 +88,6 @@ def region_bytes(model, B: int) -> dict:
         elif p.dim() == 2 and not name.endswith("embed_tokens.weight"):
             dense += nbytes
     return {"gemm": dense, "moe": moe}
-
-
-def bytes_per_step(model, B: int) -> int:
-    """Weights read by one decode step: all dense weights, one embedding row per token, and the
-    experts the batch touches (expected distinct experts under uniform routing)."""
-    cfg = model.cfg
-    total = 0
-    for name, p in model.named_parameters():
-        nbytes = p.numel() * p.element_size()
-        if name.startswith("mtp."):
-            continue
-        if name.endswith("embed_tokens.weight"):
-            nbytes = B * p.shape[1] * p.element_size()
-        elif ".experts." in name:
-            touched = cfg.num_experts * (1 - (1 - cfg.top_k / cfg.num_experts) ** B)
-            nbytes = int(nbytes * touched / cfg.num_experts)
-        total += nbytes
-    return total
-
-
-# kernel-name patterns -> region of the decode step (first match wins). Hand-written Triton kernels carry
-# their op's name (sampling: _scan_kernel, _pick_kernel); cuBLAS GEMMs are the projections (lm_head is told
-# apart as the largest one per step; the MoE router's GEMM is one of them); Inductor's generated kernels are
-# named after the aten ops they fuse. The router's torch.topk runs as aten's gatherTopK + bitonicSortKV, a region
-# of its own: the sampling patterns name the sample op's two kernels exactly, so no sort is counted as sampling.
-REGIONS = (("moe", ("_moe_",)), ("moe_router_topk", ("topk", "bitonicsort")), ("gdn", ("_gdn_",)),
-           ("attention", ("_attn", "attention")), ("norms", ("_rms", "norm")),
-           ("sampling", ("_scan_kernel", "_pick_kernel")),
-           ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "sm90", "xmma", "splitk")),
-           ("inductor_other", ("triton_",)))
 
 
 def profile_regions(step, n: int):
@@ -203,11 +176,6 @@ def parity(ids_r, logits_r, ids_e, logits_e) -> dict:
 
 def log(*a):
     print(*a, file=sys.stderr, flush=True)
-
-
-def _sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
 
 
 class ExportedGraph:
@@ -384,7 +352,6 @@ def bench_transformers(cfg_dict: dict, batches: list[int], steps: int, dev) -> l
     importable (transformers then runs its GDN kernels instead of the pure-torch recurrence)."""
     import transformers as tf
     from onegraph.graphs.tiny import randomise_
-    from onegraph.tools.bench import hf_decode_ms
     with torch.device(dev):          # on the device directly: transformers computes its rope buffers
         model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(**cfg_dict), dtype=torch.bfloat16)
     with torch.no_grad():

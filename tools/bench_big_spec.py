@@ -23,7 +23,8 @@ import time
 
 import torch
 
-from .bench_big import REGIONS, _sync
+from .bench_common import REGIONS, bytes_per_step
+from .bench_common import sync as _sync
 
 ACCEPTANCE_LENGTHS = (2.0, 2.5, 3.0, 3.4)
 NO_ACCEPTANCE = ("random weights: the MTP head and the main model are unrelated random networks, so their "
@@ -63,7 +64,6 @@ def round_weight_bytes(model, B: int, k: int) -> int:
     """Weights one round reads: the main model over B*(k+1) rows (its embedding rows, every dense weight,
     the experts those rows touch, lm_head), lm_head k more times (one per draft), the head's layer k-1
     times over B rows (draft steps) and once over B*(k+1) rows (catch-up)."""
-    from onegraph.tools.bench_big import bytes_per_step
     cfg, T = model.cfg, k + 1
     head = [(n, p) for n, p in model.mtp.named_parameters()]
     lm = model.lm_head.weight if getattr(model, "lm_head", None) is not None else model.embed_tokens.weight

@@ -1,0 +1,61 @@
+"""What the bench tools share (bench.py, bench_big.py, bench_big_spec.py), so none imports another for it:
+a device sync for timers, the weight bytes a decode step reads, the kernel-name regions of a profiled decode
+step, and transformers' decode time."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+# kernel-name patterns -> region of the decode step (first match wins). Hand-written Triton kernels carry
+# their op's name (sampling: _scan_kernel, _pick_kernel); cuBLAS GEMMs are the projections (lm_head is told
+# apart as the largest one per step; the MoE router's GEMM is one of them); Inductor's generated kernels are
+# named after the aten ops they fuse. The router's torch.topk runs as aten's gatherTopK + bitonicSortKV, a region
+# of its own: the sampling patterns name the sample op's two kernels exactly, so no sort is counted as sampling.
+REGIONS = (("moe", ("_moe_",)), ("moe_router_topk", ("topk", "bitonicsort")), ("gdn", ("_gdn_",)),
+           ("attention", ("_attn", "attention")), ("norms", ("_rms", "norm")),
+           ("sampling", ("_scan_kernel", "_pick_kernel")),
+           ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "sm90", "xmma", "splitk")),
+           ("inductor_other", ("triton_",)))
+
+
+def bytes_per_step(model, B: int) -> int:
+    """Weights read by one decode step: all dense weights, one embedding row per token, and the
+    experts the batch touches (expected distinct experts under uniform routing)."""
+    cfg = model.cfg
+    total = 0
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if name.startswith("mtp."):
+            continue
+        if name.endswith("embed_tokens.weight"):
+            nbytes = B * p.shape[1] * p.element_size()
+        elif ".experts." in name:
+            touched = cfg.num_experts * (1 - (1 - cfg.top_k / cfg.num_experts) ** B)
+            nbytes = int(nbytes * touched / cfg.num_experts)
+        total += nbytes
+    return total
+
+
+def sync(device) -> None:
+    """Wait for the device (CUDA) before reading a timer; a no-op on the CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def hf_decode_ms(model, B: int, steps: int, device, prompt_len: int = 3) -> float:
+    """ms per greedy decode step of a transformers model at batch B, after a prompt_len-token prefill."""
+    ids = torch.arange(1, prompt_len + 1, device=device).repeat(B, 1)                # [B, prompt_len]
+    out = model(input_ids=ids, use_cache=True)
+    cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    for _ in range(3):
+        out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+        cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+        cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    sync(device)
+    return (time.perf_counter() - t) / steps * 1e3
