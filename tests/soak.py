@@ -158,8 +158,13 @@ if __name__ == "__main__":
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    load0 = os.getloadavg()[0]
     res = run_soak(a.artifact, Path(a.out), a.num_requests, a.concurrency)
     res.pop("outputs")
     res["soak_command"] = "python tests/soak.py " + " ".join(sys.argv[1:])
+    res["artifact_options"] = json.loads((Path(a.artifact) / "manifest.json").read_text())["options"]
+    res["load_average_1m"] = [load0, os.getloadavg()[0]]     # the machine is shared: at the start, at the end
+    res["server"] = f"onegraph serve ARTIFACT --max-slots 8 --max-queue 64 (CPU threads: torch's default, "\
+                    f"{os.cpu_count()} cores)"
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps(res["checks"], indent=1))
