@@ -16,11 +16,28 @@ from server_helpers import running
 MODES = ("ok", "slow_first_token", "dropped", "busy", "error_event", "no_done")
 
 
-def stub_app() -> FastAPI:
-    """An OpenAI-shaped /v1/completions whose n-th request misbehaves as MODES[n % len(MODES)]; no usage in
-    the stream, so the tool counts text chunks (4 per request)."""
+def stub_app(modes=MODES) -> FastAPI:
+    """An OpenAI-shaped /v1/completions whose n-th request misbehaves as modes[n % len(modes)]; no usage in
+    the stream, so the tool counts text chunks (4 per request). /v1/chat/completions: a role chunk with empty
+    content first (as onegraph and vLLM send), 3 content chunks, then the usage chunk."""
     app = FastAPI()
     seen = []
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        seen.append(body)
+
+        async def sse():
+            yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {'role': 'assistant', 'content': ''}}]})}\n\n"
+            await asyncio.sleep(0.2)                # the role chunk is not the first token
+            for i in range(3):
+                ch = {"index": 0, "delta": {"content": f"c{i}"}, "finish_reason": "length" if i == 2 else None}
+                yield f"data: {json.dumps({'choices': [ch]})}\n\n"
+            usage = {"prompt_tokens": 17, "completion_tokens": 5, "total_tokens": 22}
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(sse(), media_type="text/event-stream")
 
     @app.get("/v1/models")
     async def models():
@@ -29,7 +46,7 @@ def stub_app() -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await request.json()
-        mode = MODES[len(seen) % len(MODES)]
+        mode = modes[len(seen) % len(modes)]
         seen.append(body)
         if mode == "busy":
             return JSONResponse({"error": {"message": "at capacity", "type": "server_error", "param": None,
@@ -68,7 +85,7 @@ def test_stub_misbehaving_errors_counted(tmp_path):
     app = stub_app()
     out = tmp_path / "stub.json"
     with running(app, log_level="critical") as url:
-        assert main(bench_args(url, out, "--concurrency", "1", "--first-token-timeout", "0.5", "--save-outputs",
+        assert main(bench_args(url, out, "--concurrency", "1", "--first-token-timeout", "1", "--save-outputs",
                                "--seed", "3")) == 0
     res = json.loads(out.read_text())
     assert res["model"] == "stub"                   # taken from /v1/models
@@ -105,6 +122,26 @@ def test_seeded_mix_is_reproducible_and_rate_mode(tmp_path):
     assert 0 < len(sampled) < 12 and all(b["temperature"] == 0.8 for b in sampled)
     res = json.loads((tmp_path / "r1.json").read_text())
     assert res["request_rate"] == 200 and res["completed"] + res["failed"] == 12
+
+
+def test_chat_text_prompts_usage_and_ttft_past_the_role_chunk(tmp_path):
+    """--api chat sends text (random ids decoded by --tokenizer), counts tokens by the final usage, and
+    starts TTFT's clock-stop at the first content, not at the empty role chunk (sent 0.2 s earlier)."""
+    from onegraph.graphs.tiny import tiny_tokenizer
+    tiny_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    app = stub_app()
+    out = tmp_path / "chat.json"
+    with running(app, log_level="critical") as url:
+        assert main(bench_args(url, out, "--concurrency", "2", "--api", "chat", "--tokenizer", str(tmp_path),
+                               "--metadata", "server=stub", "--save-outputs")) == 0
+    res = json.loads(out.read_text())
+    assert res["completed"] == 12 and res["errors"] == {} and res["metadata"] == {"server": "stub"}
+    assert res["tokens_counted_by"] == {"usage": 12}
+    assert (res["total_input_tokens"], res["total_output_tokens"]) == (12 * 17, 12 * 5)
+    assert res["ttft_ms"]["min"] >= 200
+    assert all(o["text"] == "c0c1c2" for o in res["outputs"])
+    msgs = [b["messages"] for b in app.state.seen]
+    assert all(len(m) == 1 and m[0]["role"] == "user" and isinstance(m[0]["content"], str) for m in msgs)
 
 
 @pytest.mark.parametrize("extra, msg", [

@@ -77,6 +77,8 @@ def add_args(p) -> None:
     p.add_argument("--timeout", default="600", help="seconds a request may take in all")
     p.add_argument("--save-outputs", action="store_true", help="record every request (prompt, sampling, output "
                    "text and ids, timings, error) under `outputs`")
+    p.add_argument("--metadata", nargs="*", default=None, metavar="KEY=VALUE",
+                   help="recorded under `metadata` in the JSON (e.g. server=\"onegraph serve DIR --max-slots 8\")")
     p.add_argument("--out", required=True, help="JSON result; a PNG of it is written next to it (tools/plot.py)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -450,7 +452,10 @@ def command_line(args) -> str:
         if k in ("fn", "cmd", "ignore_eos") or v is None or v is False:
             continue
         flag = "--" + k.replace("_", "-")
-        parts.append(flag if v is True else f"{flag} {shlex.quote(str(v))}")
+        if isinstance(v, list):
+            parts.append(" ".join([flag, *map(shlex.quote, v)]))
+        else:
+            parts.append(flag if v is True else f"{flag} {shlex.quote(str(v))}")
     if not args.ignore_eos:
         parts.append("--no-ignore-eos")
     return " ".join(parts)
@@ -459,10 +464,18 @@ def command_line(args) -> str:
 def main(args) -> int:
     """cli.py's entry (an argparse namespace from add_args). Writes --out (+ a PNG), prints a summary."""
     cfg = check_args(args)
+    meta = {}
+    for kv in args.metadata or ():
+        if "=" not in kv:
+            raise BenchServeError(f"--metadata takes KEY=VALUE, got {kv!r}")
+        k, v = kv.split("=", 1)
+        meta[k] = v
     out = Path(args.out)
     if not out.parent.is_dir():
         raise BenchServeError(f"--out: no directory {out.parent}")
     res = run(cfg, command_line(args))
+    if meta:
+        res["metadata"] = meta
     out.write_text(json.dumps(res, indent=1) + "\n")
     f = lambda d: "-" if d["p50"] is None else f"{d['p50']:.1f}/{d['p90']:.1f}/{d['p99']:.1f}"  # noqa: E731
     print(f"completed {res['completed']}/{cfg.num_requests} (disconnected {res['disconnected']}, failed "
