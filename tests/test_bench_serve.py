@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from onegraph.cli import main
 from server_helpers import running
 
-MODES = ("ok", "slow_first_token", "dropped", "busy", "error_event", "no_done")
+MODES = ("ok", "slow_first_token", "dropped", "busy", "error_event", "no_done", "not_sse")
 
 
 def stub_app(modes=MODES) -> FastAPI:
@@ -48,6 +48,8 @@ def stub_app(modes=MODES) -> FastAPI:
         body = await request.json()
         mode = modes[len(seen) % len(modes)]
         seen.append(body)
+        if mode == "not_sse":                       # a server that ignores "stream": one JSON body
+            return {"choices": [{"index": 0, "text": "whole", "finish_reason": "length"}]}
         if mode == "busy":
             return JSONResponse({"error": {"message": "at capacity", "type": "server_error", "param": None,
                                            "code": "queue_full"}}, status_code=503, headers={"Retry-After": "3"})
@@ -80,18 +82,19 @@ def bench_args(url, out, *extra):
 
 
 def test_stub_misbehaving_errors_counted(tmp_path):
-    """Concurrency 1 keeps the stub's order: 12 requests = each mode twice. The no_done stream ends cleanly
+    """Concurrency 1 keeps the stub's order: 14 requests = each mode twice. The no_done stream ends cleanly
     but before its finish_reason and [DONE]: a dropped connection as much as the aborted one."""
     app = stub_app()
     out = tmp_path / "stub.json"
     with running(app, log_level="critical") as url:
         assert main(bench_args(url, out, "--concurrency", "1", "--first-token-timeout", "1", "--save-outputs",
-                               "--seed", "3")) == 0
+                               "--seed", "3", "--num-requests", "14")) == 0
     res = json.loads(out.read_text())
     assert res["model"] == "stub"                   # taken from /v1/models
     assert res["completed"] == 2 and res["disconnected"] == 0
-    assert res["errors"] == {"first_token_timeout": 2, "dropped": 4, "http_503": 2, "stream_error": 2}
-    assert res["failed"] == 10 and res["retry_after"] == ["3"]
+    assert res["errors"] == {"first_token_timeout": 2, "dropped": 4, "http_503": 2, "stream_error": 2,
+                             "bad_response": 2}
+    assert res["failed"] == 12 and res["retry_after"] == ["3"]
     assert res["tokens_counted_by"] == {"chunks": 2} and res["total_output_tokens"] == 8
     assert res["total_input_tokens"] == 10 and res["input_tok_s"] == pytest.approx(10 / res["duration_s"])
     for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
@@ -104,7 +107,7 @@ def test_stub_misbehaving_errors_counted(tmp_path):
     assert [o["text"] for o in ok] == ["t0t1t2t3"] * 2
     # what was sent: token-id prompts of --input-len, max_tokens, ignore_eos, usage asked for, streaming
     sent = app.state.seen
-    assert len(sent) == 12 and all(len(b["prompt"]) == 5 and b["max_tokens"] == 4 and b["ignore_eos"]
+    assert len(sent) == 14 and all(len(b["prompt"]) == 5 and b["max_tokens"] == 4 and b["ignore_eos"]
                                    and b["stream"] and b["stream_options"] == {"include_usage": True} for b in sent)
 
 
@@ -122,6 +125,10 @@ def test_seeded_mix_is_reproducible_and_rate_mode(tmp_path):
     assert 0 < len(sampled) < 12 and all(b["temperature"] == 0.8 for b in sampled)
     res = json.loads((tmp_path / "r1.json").read_text())
     assert res["request_rate"] == 200 and res["completed"] + res["failed"] == 12
+    with running(stub_app(("ok",)), log_level="critical") as url:   # vLLM's "inf": all at once, no cap
+        assert main(bench_args(url, tmp_path / "inf.json", "--request-rate", "inf")) == 0
+    res = json.loads((tmp_path / "inf.json").read_text())
+    assert (res["request_rate"], res["concurrency"], res["completed"]) == (None, None, 12)
 
 
 def test_chat_text_prompts_usage_and_ttft_past_the_role_chunk(tmp_path):

@@ -54,7 +54,7 @@ def add_args(p) -> None:
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--num-requests", required=True)
     p.add_argument("--concurrency", default=None, help="most requests in flight (default: no cap)")
-    p.add_argument("--request-rate", default=None, help="Poisson arrivals, requests/s (default: all at once)")
+    p.add_argument("--request-rate", default=None, help="Poisson arrivals, requests/s (default, or inf: all at once)")
     p.add_argument("--input-len", required=True, help="prompt tokens per request")
     p.add_argument("--output-len", required=True, help="max_tokens per request")
     p.add_argument("--range-ratio", default="0", help="lengths uniform in [L(1-r), L(1+r)] (default 0: exact)")
@@ -141,6 +141,7 @@ def check_args(args) -> Config:
             raise BenchServeError("--extra-body must be a JSON object")
     if args.api == "chat" and not args.tokenizer:
         raise BenchServeError("--api chat sends text: pass --tokenizer")
+    all_at_once = str(args.request_rate).strip().lower() in ("inf", "+inf")     # vLLM's spelling of no rate
     url = args.base_url.rstrip("/")
     if not url.startswith(("http://", "https://")):
         raise BenchServeError(f"--base-url must start with http:// or https://, got {args.base_url!r}")
@@ -148,7 +149,7 @@ def check_args(args) -> Config:
         base_url=url[:-3] if url.endswith("/v1") else url, model=args.model, api_key=args.api_key,
         num_requests=_num(args, "num_requests", int, 1),
         concurrency=_num(args, "concurrency", int, 1, none_ok=True),
-        request_rate=_num(args, "request_rate", float, 0, lo_open=True, none_ok=True),
+        request_rate=None if all_at_once else _num(args, "request_rate", float, 0, lo_open=True, none_ok=True),
         input_len=_num(args, "input_len", int, 1), output_len=_num(args, "output_len", int, 1),
         range_ratio=_num(args, "range_ratio", float, 0, hi=0.999),
         vocab_size=_num(args, "vocab_size", int, 2), tokenizer=args.tokenizer, api=args.api,
@@ -159,7 +160,7 @@ def check_args(args) -> Config:
         ignore_eos=args.ignore_eos, extra_body=extra,
         first_token_timeout=_num(args, "first_token_timeout", float, 0, lo_open=True),
         timeout=_num(args, "timeout", float, 0, lo_open=True), save_outputs=args.save_outputs, quiet=args.quiet)
-    if cfg.concurrency is None and cfg.request_rate is None:
+    if cfg.concurrency is None and cfg.request_rate is None and not all_at_once:
         raise BenchServeError("pass --concurrency C or --request-rate R (or both: Poisson arrivals, at most C in flight)")
     return cfg
 
@@ -248,7 +249,7 @@ async def one_request(client, cfg: Config, req: Req) -> Result:
     loop = asyncio.get_running_loop()
     st = time.perf_counter()
     last = st
-    done = False
+    done = saw_data = False
     try:
         async with asyncio.timeout(min(cfg.first_token_timeout, cfg.timeout)) as deadline:
             async with client.stream("POST", url, json=body) as r:
@@ -259,6 +260,7 @@ async def one_request(client, cfg: Config, req: Req) -> Result:
                 async for line in r.aiter_lines():
                     if not line.startswith("data:"):
                         continue
+                    saw_data = True
                     data = line[5:].strip()
                     if data == "[DONE]":
                         done = True
@@ -294,7 +296,9 @@ async def one_request(client, cfg: Config, req: Req) -> Result:
                             res.status, res.e2e_s = "disconnected", now - st
                             return res          # leaving the block closes the connection mid-stream
         res.e2e_s = time.perf_counter() - st
-        if not done and res.finish_reason is None:
+        if not saw_data:
+            res.error, res.detail = "bad_response", "not an SSE stream (no 'data:' line)"
+        elif not done and res.finish_reason is None:
             res.error = "dropped"
         elif res.ttft_s is None:
             res.error, res.detail = "bad_response", "the stream carried no text"
