@@ -151,6 +151,33 @@ def test_chat_text_prompts_usage_and_ttft_past_the_role_chunk(tmp_path):
     assert all(len(m) == 1 and m[0]["role"] == "user" and isinstance(m[0]["content"], str) for m in msgs)
 
 
+def test_dataset_prompts(tmp_path):
+    """--dataset: text prompts from a JSONL file in a seeded order, cycling; a line's output_len wins over
+    --output-len; --input-len is not needed."""
+    ds = tmp_path / "ds.jsonl"
+    ds.write_text('{"prompt": "alpha", "output_len": 7}\n\n{"prompt": "beta"}\n{"prompt": "gamma", "output_len": 2}\n')
+    app = stub_app()
+    argv = bench_args("", tmp_path / "ds.json", "--concurrency", "3", "--api", "chat", "--dataset", str(ds))
+    i = argv.index("--input-len")
+    del argv[i:i + 2]
+    with running(app, log_level="critical") as url:
+        argv[argv.index("--base-url") + 1] = url
+        assert main(argv) == 0
+    sent = sorted((b["messages"][0]["content"], b["max_tokens"]) for b in app.state.seen)
+    assert sent == sorted([("alpha", 7), ("beta", 4), ("gamma", 2)] * 4)
+    assert json.loads((tmp_path / "ds.json").read_text())["completed"] == 12
+
+
+@pytest.mark.parametrize("lines, msg", [("", "holds no prompt"), ("{bad\n", "ds.jsonl:1: not JSON"),
+                                        ('{"prompt": "x", "output_len": 0}\n', "ds.jsonl:1: need")])
+def test_bad_dataset_exit_2(tmp_path, capsys, lines, msg):
+    (tmp_path / "ds.jsonl").write_text(lines)
+    assert main(bench_args("http://127.0.0.1:9", tmp_path / "x.json", "--concurrency", "2", "--dataset",
+                           str(tmp_path / "ds.jsonl"))) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and msg in err, err
+
+
 @pytest.mark.parametrize("extra, msg", [
     (["--concurrency", "2", "--request-rate", "-1"], "--request-rate must be > 0"),
     (["--concurrency", "2", "--request-rate", "nan"], "--request-rate must be finite"),

@@ -8,7 +8,8 @@ Request mix (seeded: one --seed gives the same prompts, lengths, arrivals, sampl
 random prompt token ids drawn uniformly from [0, --vocab-size) (default 256: valid in any vocabulary of 256
 ids or more), sent as token ids so the server sees exactly --input-len tokens (`--tokenizer` decodes them to
 text instead, as vLLM's random dataset does); lengths uniform in [L(1-r), L(1+r)] with --range-ratio r
-(vLLM's --random-range-ratio). `ignore_eos: true` (vLLM and SGLang's extension, which onegraph has) makes
+(vLLM's --random-range-ratio). Or `--dataset FILE.jsonl`: text prompts from a file, one
+{"prompt", "output_len"} a line, in a seeded order. `ignore_eos: true` (vLLM and SGLang's extension, which onegraph has) makes
 every request produce its --output-len tokens; --no-ignore-eos leaves it out. Arrivals: a Poisson process of
 --request-rate requests/s (exponential gaps), or all at once; --concurrency caps the requests in flight.
 
@@ -19,7 +20,7 @@ Definitions (as vLLM / SGLang; times from the request's send, on the client's cl
 - TPOT, per request: (e2e latency - TTFT) / (output tokens - 1), requests of one token left out;
 - output tokens: `usage.completion_tokens` of the last chunk (`stream_options.include_usage`), else the
   `token_ids` the server returned, else the number of text chunks (the count used is in `tokens_counted_by`);
-  input tokens likewise from `usage.prompt_tokens`, else the prompt's own length;
+  input tokens likewise from `usage.prompt_tokens`, else the prompt's ids (none for a --dataset text);
 - throughput: tokens of completed requests / the run's wall time (first send to last response);
 - percentiles: numpy's linear interpolation over completed requests.
 
@@ -55,13 +56,16 @@ def add_args(p) -> None:
     p.add_argument("--num-requests", required=True)
     p.add_argument("--concurrency", default=None, help="most requests in flight (default: no cap)")
     p.add_argument("--request-rate", default=None, help="Poisson arrivals, requests/s (default, or inf: all at once)")
-    p.add_argument("--input-len", required=True, help="prompt tokens per request")
+    p.add_argument("--input-len", default=None, help="prompt tokens per request (required without --dataset)")
     p.add_argument("--output-len", required=True, help="max_tokens per request")
     p.add_argument("--range-ratio", default="0", help="lengths uniform in [L(1-r), L(1+r)] (default 0: exact)")
     p.add_argument("--vocab-size", default="256", help="prompt ids are drawn from [0, V)")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (or a directory with one): send text prompts")
+    p.add_argument("--dataset", default=None, metavar="FILE.jsonl", help="prompts from a file instead: one JSON "
+                   "object a line, {\"prompt\": TEXT, \"output_len\": N (optional, else --output-len)}, taken in "
+                   "a seeded order, cycling")
     p.add_argument("--api", default="completions", choices=["completions", "chat"],
-                   help="/v1/completions (default) or /v1/chat/completions (needs --tokenizer: text prompts)")
+                   help="/v1/completions (default) or /v1/chat/completions (text prompts: --tokenizer or --dataset)")
     p.add_argument("--seed", default="0")
     p.add_argument("--temperature", default="0", help="temperature of the unsampled share (default 0: greedy)")
     p.add_argument("--sampled-fraction", default="0", help="share of requests that sample at "
@@ -116,6 +120,7 @@ class Config:
     range_ratio: float
     vocab_size: int
     tokenizer: str | None
+    dataset: list | None
     api: str
     seed: int
     temperature: float
@@ -130,6 +135,30 @@ class Config:
     quiet: bool
 
 
+def load_dataset(path: str) -> list[dict]:
+    """--dataset: [{"prompt": str, "output_len": int | None}], refused in one line if malformed."""
+    p = Path(path)
+    if not p.is_file():
+        raise BenchServeError(f"--dataset: no file {path}")
+    rows = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise BenchServeError(f"--dataset {path}:{n}: not JSON: {e}") from None
+        out = obj.get("output_len") if isinstance(obj, dict) else None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"] or \
+                out is not None and (not isinstance(out, int) or out < 1):
+            raise BenchServeError(f"--dataset {path}:{n}: need {{\"prompt\": non-empty text, \"output_len\": "
+                                  f"int >= 1 (optional)}}")
+        rows.append({"prompt": obj["prompt"], "output_len": out})
+    if not rows:
+        raise BenchServeError(f"--dataset {path} holds no prompt")
+    return rows
+
+
 def check_args(args) -> Config:
     extra = {}
     if args.extra_body:
@@ -139,8 +168,9 @@ def check_args(args) -> Config:
             raise BenchServeError(f"--extra-body is not JSON: {e}") from None
         if not isinstance(extra, dict):
             raise BenchServeError("--extra-body must be a JSON object")
-    if args.api == "chat" and not args.tokenizer:
-        raise BenchServeError("--api chat sends text: pass --tokenizer")
+    if args.api == "chat" and not (args.tokenizer or args.dataset):
+        raise BenchServeError("--api chat sends text: pass --tokenizer or --dataset")
+    dataset = load_dataset(args.dataset) if args.dataset else None
     all_at_once = str(args.request_rate).strip().lower() in ("inf", "+inf")     # vLLM's spelling of no rate
     url = args.base_url.rstrip("/")
     if not url.startswith(("http://", "https://")):
@@ -150,9 +180,9 @@ def check_args(args) -> Config:
         num_requests=_num(args, "num_requests", int, 1),
         concurrency=_num(args, "concurrency", int, 1, none_ok=True),
         request_rate=None if all_at_once else _num(args, "request_rate", float, 0, lo_open=True, none_ok=True),
-        input_len=_num(args, "input_len", int, 1), output_len=_num(args, "output_len", int, 1),
+        input_len=_num(args, "input_len", int, 1, none_ok=dataset is not None), output_len=_num(args, "output_len", int, 1),
         range_ratio=_num(args, "range_ratio", float, 0, hi=0.999),
-        vocab_size=_num(args, "vocab_size", int, 2), tokenizer=args.tokenizer, api=args.api,
+        vocab_size=_num(args, "vocab_size", int, 2), tokenizer=args.tokenizer, dataset=dataset, api=args.api,
         seed=_num(args, "seed", int), temperature=_num(args, "temperature", float, 0, hi=2),
         sampled_fraction=_num(args, "sampled_fraction", float, 0, hi=1),
         sample_temperature=_num(args, "sample_temperature", float, 0, lo_open=True, hi=2),
@@ -185,20 +215,22 @@ def make_requests(cfg: Config, decode=None) -> list[Req]:
 
     def lengths(gen, L):
         return gen.integers(max(1, int(L * (1 - r))), int(L * (1 + r)) + 1, size=n)
-    in_lens, out_lens = lengths(g[0], cfg.input_len), lengths(g[1], cfg.output_len)
+    in_lens, out_lens = lengths(g[0], cfg.input_len or 1), lengths(g[1], cfg.output_len)
     sampled = g[2].random(n) < cfg.sampled_fraction
     seeds = g[2].integers(0, 2 ** 31, size=n)
     hang = g[3].random(n) < cfg.disconnect_fraction
     gaps = g[4].exponential(1.0 / cfg.request_rate, size=n) if cfg.request_rate else np.zeros(n)
     arrivals = np.cumsum(gaps) - gaps[0]
+    order = g[0].permutation(len(cfg.dataset)) if cfg.dataset else None
     reqs = []
     for i in range(n):
-        ids = g[0].integers(0, cfg.vocab_size, size=int(in_lens[i])).tolist()
-        m = int(out_lens[i])
+        row = cfg.dataset[order[i % len(order)]] if cfg.dataset else None
+        ids = [] if row else g[0].integers(0, cfg.vocab_size, size=int(in_lens[i])).tolist()
+        m = int(row["output_len"] or out_lens[i]) if row else int(out_lens[i])
         reqs.append(Req(i, ids, m, cfg.sample_temperature if sampled[i] else cfg.temperature,
                         int(seeds[i]) if sampled[i] else None,
                         int(g[3].integers(1, max(1, m // 2) + 1)) if hang[i] else None, float(arrivals[i]),
-                        decode(ids) if decode else None))
+                        row["prompt"] if row else decode(ids) if decode else None))
     return reqs
 
 
