@@ -17,7 +17,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,15 +24,9 @@ from pathlib import Path
 
 import httpx
 
+from tp_helpers import launch_serve
+
 MODEL = "tiny"
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def rss_kb(pid: int) -> int:
@@ -67,24 +60,10 @@ def bench(url: str, n: int, out: Path, concurrency: int, input_len: int, output_
 def run_soak(artifact, out: Path, num_requests: int = 200, concurrency: int = 32, input_len: int = 32,
              output_len: int = 16, seed: int = 0, sampled: float = 0.5, disconnect: float = 0.1,
              max_slots: int = 8) -> dict:
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     t_start = time.perf_counter()
     times = {}
-    proc = subprocess.Popen([sys.executable, "-m", "onegraph", "serve", str(artifact), "--port", str(port),
-                             "--served-model-name", MODEL, "--max-slots", str(max_slots), "--max-queue", "64",
-                             "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc, url = launch_serve(artifact, "--max-slots", max_slots, "--max-queue", 64)
     try:
-        t0 = time.time()
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.time() - t0 < 120, "serve did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         times["serve_start"] = time.perf_counter() - t_start
         warm = bench(url, concurrency, out.with_name(out.stem + "_warmup.json"), concurrency, input_len,
                      output_len, seed + 1, sampled, 0.0)

@@ -3,12 +3,8 @@ Engine, driven by the real `openai` client and raw httpx. Plus a scripted engine
 script, same manifest) for tool calls and reasoning, and `onegraph serve` under SIGTERM."""
 import asyncio
 import json
-import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -403,24 +399,9 @@ def test_cut_call_says_length_and_call_in_think_says_tool_calls(engine, codec):
 
 # ---------------------------------------------------------------- the CLI under SIGTERM
 def test_serve_cli_sigterm_cancels_and_exits_0(tiny_artifact):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    proc = subprocess.Popen([sys.executable, "-m", "onegraph", "serve", str(tiny_artifact), "--port", str(port),
-                             "--served-model-name", MODEL, "--max-slots", "2", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
+    from tp_helpers import launch_serve
+    proc, url = launch_serve(tiny_artifact, "--max-slots", 2)
     try:
-        t0 = time.time()
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.time() - t0 < 120, "serve did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         body = {"model": MODEL, "prompt": "go", "max_tokens": 240, "stream": True, "ignore_eos": True}
         with httpx.Client(timeout=30) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
             lines = r.iter_lines()

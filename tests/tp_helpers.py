@@ -17,6 +17,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def launch_serve(artifact, *args) -> tuple[subprocess.Popen, str]:
+    """`onegraph serve ARTIFACT --port P --served-model-name tiny --log-level warning *args` on a free port,
+    stdout and stderr piped; returns once /health answers 200 (asserting the process is alive, 120 s at most)
+    -> (process, base url)."""
+    import os
+    import httpx
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "onegraph", "serve", str(artifact), "--port", str(port),
+                             "--served-model-name", "tiny", "--log-level", "warning", *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    t0 = time.time()
+    while True:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        assert time.time() - t0 < 120, "serve did not come up"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+
+
 def torchrun(*args, nproc: int = 2, module: str = "onegraph") -> list[str]:
     """`torchrun --standalone --nproc-per-node N -m MODULE ARGS` (a free rendezvous port each time)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
