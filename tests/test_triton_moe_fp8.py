@@ -177,9 +177,9 @@ def test_export_swaps_in_the_triton_op():
 
 
 _MUTATION_SCRIPT = """
-from onegraph.custom_ops.triton import fused_moe as bf16_mod, fused_moe_fp8 as m
+from onegraph.custom_ops.triton import fused_moe as bf16_mod, fused_moe_fp8 as m, fused_moe_fp8_prefill as pf
 launches = []
-m.launch = bf16_mod.launch = lambda kernel, grid, *a, **meta: launches.append((kernel, a, meta))
+m.launch = bf16_mod.launch = pf.launch = lambda kernel, grid, *a, **meta: launches.append((kernel, a, meta))
 e4, f32, bf = torch.float8_e4m3fn, torch.float32, torch.bfloat16
 t = lambda dt, *s: torch.empty(*s, dtype=dt, device="meta")        # recorded launches: never run
 for T in (1, 6):                                   # the decode kernels, then the grouped GEMMs (T*k > E)

@@ -247,9 +247,8 @@ def fused_moe_triton(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tenso
     Is = shared_gate.shape[0]
     if T * top_k > E:     # static at trace time: the reference's prefill branch, as a grouped GEMM
         w, idx = route_triton(logits[:, :E], top_k)                          # [T, k] x.dtype, int64
-        # this module's `launch` is passed on so that compile_check (which replaces it) records these too
         return fused_moe_prefill.fused_moe_prefill(x, w, idx, gate_up, down, shared_gate, shared_up,
-                                                   shared_down, logits, out_dtype, launch=launch)
+                                                   shared_down, logits, out_dtype)
     P = T * top_k
     act = torch.empty((P, I), dtype=x.dtype, device=x.device)
     act_sh = torch.empty((T, Is), dtype=x.dtype, device=x.device)

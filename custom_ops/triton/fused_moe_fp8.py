@@ -195,7 +195,7 @@ def fused_moe_fp8_triton(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.T
     E = gate_up.shape[0]
     if x.shape[0] * top_k > E:    # static at trace time: the reference's per-expert branch, as grouped GEMMs
         w, idx = route_triton(logits[:, :E], top_k)                          # [T, k] x.dtype, int64
-        return fused_moe_fp8_prefill.fused_moe_fp8_prefill(x, w, idx, *args[2:12], logits, out_dtype, launch=launch)
+        return fused_moe_fp8_prefill.fused_moe_fp8_prefill(x, w, idx, *args[2:12], logits, out_dtype)
     return _launch_decode(*args, out_dtype)
 
 

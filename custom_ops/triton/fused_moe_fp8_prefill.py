@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..linear_fp8 import BLOCK
-from ._common import INTERPRETED, launch as _launch, mma, next_pow2, rnd, to_dt
+from ._common import INTERPRETED, launch, mma, next_pow2, rnd, to_dt
 from .fused_moe_prefill import BH_COMBINE, BK_MAX, BM_MAX, BN_MAX, _block_table, _combine_kernel, _strides3, _tile
 
 
@@ -105,7 +105,7 @@ def _strides2(t: torch.Tensor):
     return t.stride()[:2] if t.dim() == 3 else (0, t.stride(0))
 
 
-def _grouped_swiglu(x, ids, E, wg, wu, sg, su, u0, ub0, N, topk, launch):
+def _grouped_swiglu(x, ids, E, wg, wu, sg, su, u0, ub0, N, topk):
     R, H = ids.shape[0], x.shape[1]
     BM = _tile(triton.cdiv(R, E), BM_MAX)
     src, blk_e, blk_row, blk_end = _block_table(ids, E, BM)
@@ -118,7 +118,7 @@ def _grouped_swiglu(x, ids, E, wg, wu, sg, su, u0, ub0, N, topk, launch):
     return act, src, (blk_e, blk_row, blk_end), BM
 
 
-def _grouped_down(act, src, blocks, BM, wd, sd, wts, out, launch):
+def _grouped_down(act, src, blocks, BM, wd, sd, wts, out):
     K, H = act.shape[1], out.shape[1]
     BN, BK = _tile(H, BN_MAX), _tile(K, BK_MAX)
     launch(_grouped_down_fp8_kernel, (blocks[0].shape[0], triton.cdiv(H, BN)),
@@ -127,10 +127,9 @@ def _grouped_down(act, src, blocks, BM, wd, sd, wts, out, launch):
 
 
 def fused_moe_fp8_prefill(x, w, idx, gate_up, gate_up_scale, down, down_scale, shared_gate, shared_gate_scale,
-                          shared_up, shared_up_scale, shared_down, shared_down_scale, logits, out_dtype=None,
-                          launch=_launch):
+                          shared_up, shared_up_scale, shared_down, shared_down_scale, logits, out_dtype=None):
     """x [T, H], w [T, k] x.dtype, idx [T, k] int64 (the routing), the op's FP8 weights and scales, logits
-    [T, E + 1] -> y [T, H] in out_dtype (None: x.dtype). `launch`: the caller's module-level launcher."""
+    [T, E + 1] -> y [T, H] in out_dtype (None: x.dtype)."""
     if BLOCK % BN_MAX or BLOCK % BK_MAX:
         raise ValueError(f"fused_moe_fp8 prefill: tiles must divide {BLOCK}, got BN {BN_MAX} and BK {BK_MAX}")
     out_dtype = out_dtype or x.dtype
@@ -146,15 +145,15 @@ def fused_moe_fp8_prefill(x, w, idx, gate_up, gate_up_scale, down, down_scale, s
     ids = idx.reshape(P).contiguous()
 
     act, src, blocks, BM = _grouped_swiglu(x, ids, E, gate_up, gate_up, gus, gus, u0=I, ub0=triton.cdiv(I, BLOCK),
-                                           N=I, topk=k, launch=launch)
+                                           N=I, topk=k)
     y_pair = torch.empty((P, H), dtype=out_dtype, device=x.device)
-    _grouped_down(act, src, blocks, BM, down, ds, w, y_pair, launch)
+    _grouped_down(act, src, blocks, BM, down, ds, w, y_pair)
 
     zeros = torch.zeros(T, dtype=torch.int64, device=x.device)
     act_sh, src_sh, blocks_sh, BM_sh = _grouped_swiglu(x, zeros, 1, shared_gate, shared_up, sgs, sus, u0=0, ub0=0,
-                                                        N=Is, topk=1, launch=launch)
+                                                        N=Is, topk=1)
     y_sh = torch.empty((T, H), dtype=out_dtype, device=x.device)
-    _grouped_down(act_sh, src_sh, blocks_sh, BM_sh, shared_down, sds, None, y_sh, launch)
+    _grouped_down(act_sh, src_sh, blocks_sh, BM_sh, shared_down, sds, None, y_sh)
 
     y = torch.empty((T, H), dtype=out_dtype, device=x.device)
     BH = min(BH_COMBINE, next_pow2(H))

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRETED, launch as _launch, mma, next_pow2, rnd, to_dt
+from ._common import INTERPRETED, launch, mma, next_pow2, rnd, to_dt
 
 
 @triton.jit
@@ -163,7 +163,7 @@ def _strides3(t: torch.Tensor):
     return t.stride() if t.dim() == 3 else (0, *t.stride())
 
 
-def _grouped_swiglu(x, ids, E, wg, wu, u0, N, topk, launch):
+def _grouped_swiglu(x, ids, E, wg, wu, u0, N, topk):
     """-> (act [R, N] in sorted order, src [R], block table) for rows ids [R] (pair p reads x[p // topk])."""
     R, H = ids.shape[0], x.shape[1]
     BM = _tile(triton.cdiv(R, E), BM_MAX)
@@ -177,7 +177,7 @@ def _grouped_swiglu(x, ids, E, wg, wu, u0, N, topk, launch):
     return act, src, (blk_e, blk_row, blk_end), BM
 
 
-def _grouped_down(act, src, blocks, BM, wd, wts, out, launch):
+def _grouped_down(act, src, blocks, BM, wd, wts, out):
     K, H = act.shape[1], out.shape[1]
     BN, BK = _tile(H, BN_MAX), _tile(K, BK_MAX)
     launch(_grouped_down_kernel, (blocks[0].shape[0], triton.cdiv(H, BN)),
@@ -187,11 +187,10 @@ def _grouped_down(act, src, blocks, BM, wd, wts, out, launch):
 
 
 def fused_moe_prefill(x, w, idx, gate_up, down, shared_gate, shared_up, shared_down, logits,
-                      out_dtype=None, launch=_launch):
+                      out_dtype=None):
     """x [T, H], w [T, k] x.dtype, idx [T, k] int64 (from `route`), logits [T, E + 1] (fused_moe's: the last
     column is the shared expert's gate logit) -> y [T, H] in out_dtype (None: x.dtype;
-    fp32: fused_moe's fp32_out). `launch` is the caller's module-level launcher (compile_check records
-    launches by replacing it there)."""
+    fp32: fused_moe's fp32_out)."""
     out_dtype = out_dtype or x.dtype
     T, H = x.shape
     k = idx.shape[1]
@@ -203,16 +202,15 @@ def fused_moe_prefill(x, w, idx, gate_up, down, shared_gate, shared_up, shared_d
     ids = idx.reshape(P).contiguous()                                # [P] expert of pair p
 
     # routed experts: act [P, I] (sorted rows) -> y_pair [P, H] (pair order), each rnd(rnd(y) * w)
-    act, src, blocks, BM = _grouped_swiglu(x, ids, E, gate_up, gate_up, u0=I, N=I, topk=k, launch=launch)
+    act, src, blocks, BM = _grouped_swiglu(x, ids, E, gate_up, gate_up, u0=I, N=I, topk=k)
     y_pair = torch.empty((P, H), dtype=out_dtype, device=x.device)
-    _grouped_down(act, src, blocks, BM, down, w, y_pair, launch)
+    _grouped_down(act, src, blocks, BM, down, w, y_pair)
 
     # shared expert: one group holding every token -> y_sh [T, H]
     zeros = torch.zeros(T, dtype=torch.int64, device=x.device)
-    act_sh, src_sh, blocks_sh, BM_sh = _grouped_swiglu(x, zeros, 1, shared_gate, shared_up, u0=0, N=Is, topk=1,
-                                                        launch=launch)
+    act_sh, src_sh, blocks_sh, BM_sh = _grouped_swiglu(x, zeros, 1, shared_gate, shared_up, u0=0, N=Is, topk=1)
     y_sh = torch.empty((T, H), dtype=out_dtype, device=x.device)
-    _grouped_down(act_sh, src_sh, blocks_sh, BM_sh, shared_down, None, y_sh, launch)
+    _grouped_down(act_sh, src_sh, blocks_sh, BM_sh, shared_down, None, y_sh)
 
     y = torch.empty((T, H), dtype=out_dtype, device=x.device)
     BH = min(BH_COMBINE, next_pow2(H))
