@@ -110,11 +110,16 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-def tiny_tokenizer():
-    """Byte-level tokenizer: byte b is id b; special and added tokens follow from 256."""
+def tiny_tokenizer(extra: int = 0):
+    """Byte-level tokenizer: byte b is id b; special and added tokens follow from 256. extra > 0 pads the
+    vocabulary with `<extra_i>` ids after them (VOCAB .. VOCAB + extra - 1), which encoding never produces
+    (no merges) and which decode as their text: a larger model's vocab_size (tools/random_checkpoint.py)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers import AddedToken
     vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    if extra:
+        vocab.update({t: 256 + i for i, t in enumerate(SPECIAL + ADDED)})     # the ids add_*_tokens would give
+        vocab.update({f"<extra_{i}>": i for i in range(VOCAB, VOCAB + extra)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()

@@ -113,6 +113,12 @@ def _usable(m: dict, device: str | torch.device | None) -> torch.device:
     return want
 
 
+def _field(key: str, doc: str, default=None):
+    """A read-only property of Artifact: manifest[key] (`default` where an older manifest lacks it)."""
+    return property(lambda self: self.manifest[key] if default is None else self.manifest.get(key, default),
+                    doc=doc)
+
+
 @dataclasses.dataclass(frozen=True)
 class Artifact:
     """A verified artifact (`Artifact.load`), to run on `device` as tensor-parallel rank `rank`.
@@ -148,35 +154,17 @@ class Artifact:
         """The same artifact as tensor-parallel rank `rank` (its graph files and weight shard)."""
         return dataclasses.replace(self, rank=rank)
 
-    @property
-    def backend(self) -> str:
-        return self.manifest["backend"]
-
-    @property
-    def dtype(self) -> str:
-        return self.manifest["dtype"]
-
-    @property
-    def model(self) -> dict:
-        """The model config (graphs/config.py ModelConfig.to_dict())."""
-        return self.manifest["model"]
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.manifest["max_seq_len"]
-
-    @property
-    def state(self) -> list[dict]:
-        """The state tensors every graph takes last: [{name, shape ("S" = slots + 1), dtype}]."""
-        return self.manifest["state"]
+    backend = _field("backend", "aoti | onnx")
+    dtype = _field("dtype", "the float dtype exported, by name")
+    model = _field("model", "the model config (graphs/config.py ModelConfig.to_dict())")
+    max_seq_len = _field("max_seq_len", "KV-cache length per slot")
+    state = _field("state", 'the state tensors every graph takes last: [{name, shape ("S" = slots + 1), dtype}]')
+    speculative_tokens = _field("speculative_tokens", "K of the speculative graphs (0: none)", 0)
 
     @property
     def options(self) -> dict:
+        """The export options as recorded."""
         return self.manifest.get("options", {})
-
-    @property
-    def speculative_tokens(self) -> int:
-        return self.manifest.get("speculative_tokens", 0)
 
     @property
     def tp(self) -> int:

@@ -585,13 +585,18 @@ def parse_tool_calls(text: str, tools: dict | None = None) -> tuple[str | None, 
     p = ToolCallParser(tools)
     parts = p.feed(text) + p.finish()
     content = "".join(x for k, x in parts if k == "content")
+    return content or None, _whole_calls(parts)
+
+
+def _whole_calls(parts: list[tuple[str, object]]) -> list[dict]:
+    """A parser's (kind, piece) parts -> the tool calls in OpenAI form (deltas merged, stream indices dropped)."""
     calls: list[dict] = []
     for k, x in parts:
         if k == "tool_call":
             merge_tool_delta(calls, x)
     for c in calls:
         c.pop("index")
-    return content or None, calls
+    return calls
 
 
 # ---------------------------------------------------------------- reasoning
@@ -720,10 +725,4 @@ def parse_chat_output(text: str, in_think: bool | None, tools: dict | None):
     parts = p.feed(text, final=True)
     reasoning = "".join(x for k, x in parts if k == "reasoning").rstrip("\n")
     content = "".join(x for k, x in parts if k == "content")
-    calls: list[dict] = []
-    for k, x in parts:
-        if k == "tool_call":
-            merge_tool_delta(calls, x)
-    for c in calls:
-        c.pop("index")
-    return reasoning or None, content or None, calls
+    return reasoning or None, content or None, _whole_calls(parts)

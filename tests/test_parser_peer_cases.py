@@ -13,7 +13,9 @@ import random
 
 import pytest
 
-from onegraph.server.parsers import ChatOutputParser, merge_tool_delta, parse_chat_output, tool_schemas
+from onegraph.server.parsers import ChatOutputParser, parse_chat_output, tool_schemas
+
+from test_server_parsers import stream_parts
 
 
 def tools_of(**fns):
@@ -25,15 +27,7 @@ def run(text, chunks, in_think=None, tools=None):
     """-> (reasoning, content, [(name, args dict)]) from feeding `chunks` (a size or a list)."""
     pieces = chunks if isinstance(chunks, list) else [text[i:i + chunks] for i in range(0, len(text), chunks)]
     assert "".join(pieces) == text
-    p = ChatOutputParser(in_think, tools)
-    parts = []
-    for d in pieces:
-        parts += p.feed(d)
-    parts += p.feed("", final=True)
-    calls = []
-    for k, x in parts:
-        if k == "tool_call":
-            merge_tool_delta(calls, x)
+    parts, calls = stream_parts(ChatOutputParser(in_think, tools), pieces)
     assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
     assert [c["index"] for c in calls] == list(range(len(calls)))
     reasoning = "".join(x for k, x in parts if k == "reasoning").rstrip("\n") or None

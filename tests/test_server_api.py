@@ -400,7 +400,7 @@ def test_cut_call_says_length_and_call_in_think_says_tool_calls(engine, codec):
 # ---------------------------------------------------------------- the CLI under SIGTERM
 def test_serve_cli_sigterm_cancels_and_exits_0(tiny_artifact):
     from tp_helpers import launch_serve
-    proc, url = launch_serve(tiny_artifact, "--max-slots", 2)
+    proc, url = launch_serve(tiny_artifact, "--max-slots", 2, model=MODEL)
     try:
         body = {"model": MODEL, "prompt": "go", "max_tokens": 240, "stream": True, "ignore_eos": True}
         with httpx.Client(timeout=30) as c, c.stream("POST", url + "/v1/completions", json=body) as r:

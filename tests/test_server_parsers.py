@@ -221,16 +221,23 @@ def test_streamed_arguments_equal_whole_at_every_chunk_size(size):
     assert [c["function"] for c in calls] == [c["function"] for c in want]
 
 
-def run_chat(text, size, in_think, tools):
-    p = ChatOutputParser(in_think, tools)
+def stream_parts(p, chunks) -> tuple[list, list[dict]]:
+    """Feed a parser the chunks one by one, then the final empty feed -> (its (kind, piece) parts, the tool
+    calls its deltas merge into, stream indices kept)."""
     parts = []
-    for d in pieces(text, size):
+    for d in chunks:
         parts += p.feed(d)
     parts += p.feed("", final=True)
     calls = []
     for k, x in parts:
         if k == "tool_call":
             merge_tool_delta(calls, x)
+    return parts, calls
+
+
+def run_chat(text, size, in_think, tools):
+    p = ChatOutputParser(in_think, tools)
+    parts, calls = stream_parts(p, pieces(text, size))
     return ("".join(x for k, x in parts if k == "reasoning").rstrip("\n") or None,
             "".join(x for k, x in parts if k == "content") or None,
             [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls], p.n_calls)
@@ -339,14 +346,7 @@ def test_parsed_turn_rerenders_to_what_the_model_emitted(size):
     codec = qwen_codec()
     prompt = codec.render_chat(HISTORY, QWEN_TOOLS, add_generation_prompt=True)
     p = ChatOutputParser(prompt.rstrip().endswith("<think>"), tool_schemas(QWEN_TOOLS))
-    parts = []
-    for d in pieces(EMITTED, size):
-        parts += p.feed(d)
-    parts += p.feed("", final=True)
-    calls = []
-    for k, x in parts:
-        if k == "tool_call":
-            merge_tool_delta(calls, x)
+    parts, calls = stream_parts(p, pieces(EMITTED, size))
     turn = {"role": "assistant", "content": "".join(x for k, x in parts if k == "content"),
             "reasoning_content": "".join(x for k, x in parts if k == "reasoning").rstrip("\n"),
             "tool_calls": [{k: v for k, v in c.items() if k != "index"} for c in calls]}

@@ -17,8 +17,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_serve(artifact, *args) -> tuple[subprocess.Popen, str]:
-    """`onegraph serve ARTIFACT --port P --served-model-name tiny --log-level warning *args` on a free port,
+def launch_serve(artifact, *args, model: str = "tiny") -> tuple[subprocess.Popen, str]:
+    """`onegraph serve ARTIFACT --port P --served-model-name MODEL --log-level warning *args` on a free port,
     stdout and stderr piped; returns once /health answers 200 (asserting the process is alive, 120 s at most)
     -> (process, base url)."""
     import os
@@ -26,7 +26,7 @@ def launch_serve(artifact, *args) -> tuple[subprocess.Popen, str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "onegraph", "serve", str(artifact), "--port", str(port),
-                             "--served-model-name", "tiny", "--log-level", "warning", *map(str, args)],
+                             "--served-model-name", model, "--log-level", "warning", *map(str, args)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     t0 = time.time()
     while True:

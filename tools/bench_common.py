@@ -1,6 +1,6 @@
-"""What the bench tools share (bench.py, bench_big.py, bench_big_spec.py), so none imports another for it:
-a device sync for timers, the weight bytes a decode step reads, the kernel-name regions of a profiled decode
-step, and transformers' decode time."""
+"""What the bench tools share (bench.py, bench_big.py, bench_big_spec.py, bench_ops.py, bench_pdl.py), so none
+imports another for it: a device sync for timers, a captured graph's replay time, the weight bytes a decode
+step reads, the kernel-name regions of a profiled decode step, and transformers' decode time."""
 from __future__ import annotations
 
 import time
@@ -44,6 +44,19 @@ def sync(device) -> None:
 
 
 @torch.no_grad()
+def replay_us(graph, warmup: int, iters: int) -> float:
+    """µs per replay of a captured torch.cuda.CUDAGraph: `warmup` replays, then CUDA events around `iters`."""
+    for _ in range(warmup):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
 def hf_decode_ms(model, B: int, steps: int, device, prompt_len: int = 3) -> float:
     """ms per greedy decode step of a transformers model at batch B, after a prompt_len-token prefill."""
     ids = torch.arange(1, prompt_len + 1, device=device).repeat(B, 1)                # [B, prompt_len]

@@ -28,6 +28,8 @@ import traceback
 
 import torch
 
+from .bench_common import replay_us
+
 OPS = ("gdn_decode_step", "fused_moe", "attention_decode")
 IMPLS = ("triton", "eager", "compile")
 
@@ -160,15 +162,7 @@ def time_graph(fn, args, warmup, iters, calls):
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn(*args)
-    for _ in range(warmup):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (iters * calls)
+    return replay_us(graph, warmup, iters) / calls
 
 
 def time_eager(fn, args, iters):

@@ -22,7 +22,9 @@ import json
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait, gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from .bench_common import replay_us
 
 
 @triton.jit
@@ -95,19 +97,6 @@ def capture(fn, keep):
     return g
 
 
-def timed(g, reps=30):
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(reps):
-        g.replay()
-    e1.record()
-    torch.cuda.synchronize()
-    return e0.elapsed_time(e1) * 1e3 / reps
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -140,7 +129,7 @@ def main(argv=None) -> int:
             g.replay()
             torch.cuda.synchronize()
             outs[name] = bufs[K % 2].clone()
-            res[name + "_us_per_kernel"] = round(timed(g) / K, 3)
+            res[name + "_us_per_kernel"] = round(replay_us(g, 3, 30) / K, 3)
         res["outputs_equal"] = all(torch.equal(outs["plain"], o) for o in outs.values())
         print(json.dumps(res))
         rows.append(res)

@@ -111,15 +111,20 @@ def bench_model(spec: str, prompts: list[list[int]], ks: list[int], max_new: int
     return entry
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m onegraph.tools.bench_spec")
-    ap.add_argument("--model", action="append", help=f"checkpoint dir or {RANDOM_MTP} (default), repeatable")
+def add_run_args(ap: argparse.ArgumentParser) -> None:
+    """The options both speculation benchmarks take (this one eager, bench_spec_graphs over artifacts)."""
     ap.add_argument("--prompts", type=Path, default=HELDOUT_TEXT)
     ap.add_argument("--n-prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--ks", default="1,2,3,4")
     ap.add_argument("--out", type=Path, required=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m onegraph.tools.bench_spec")
+    ap.add_argument("--model", action="append", help=f"checkpoint dir or {RANDOM_MTP} (default), repeatable")
+    add_run_args(ap)
     args = ap.parse_args(argv)
 
     from onegraph.graphs.spec import check_k

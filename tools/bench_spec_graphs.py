@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .bench_spec import HELDOUT_TEXT, heldout_prompts
+from .bench_spec import add_run_args, heldout_prompts
 
 
 def artifact(model: str, k: int, workdir: Path) -> Path:
@@ -55,13 +55,8 @@ def run(engine, prompts, max_new) -> tuple[list[list[int]], float, list[dict]]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m onegraph.tools.bench_spec_graphs")
     ap.add_argument("--model", default="tiny")
-    ap.add_argument("--prompts", type=Path, default=HELDOUT_TEXT)
-    ap.add_argument("--n-prompts", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--ks", default="1,2,3,4")
     ap.add_argument("--workdir", type=Path, default=None)
-    ap.add_argument("--out", type=Path, required=True)
+    add_run_args(ap)
     args = ap.parse_args(argv)
 
     from onegraph.graphs.spec import check_k

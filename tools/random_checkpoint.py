@@ -181,21 +181,10 @@ def header(p: dict, keys: list[str]) -> bytes:
 def tokenizer(vocab: int):
     """tiny's byte-level tokenizer (graphs/tiny.py) with its vocabulary padded to `vocab` ids: ids 0..263 as
     tiny's, then `<extra_i>` entries that encoding never produces (no merges) and that decode as their text."""
-    from onegraph.graphs.tiny import ADDED, SPECIAL, VOCAB, _bytes_to_unicode, tiny_tokenizer
-    if vocab == VOCAB:
-        return tiny_tokenizer()
+    from onegraph.graphs.tiny import VOCAB, tiny_tokenizer
     if vocab < VOCAB:
         raise RandomCheckpointError(f"vocab_size {vocab} is below the byte tokenizer's {VOCAB} ids")
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    v = {ch: b for b, ch in _bytes_to_unicode().items()}
-    v.update({t: 256 + i for i, t in enumerate(SPECIAL + ADDED)})      # the added tokens keep tiny's ids
-    v.update({f"<extra_{i}>": i for i in range(VOCAB, vocab)})
-    tok = Tokenizer(models.BPE(vocab=v, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL])
-    tok.add_tokens([AddedToken(t, special=False) for t in ADDED])
-    return tok
+    return tiny_tokenizer(extra=vocab - VOCAB)
 
 
 def write_text_files(out: Path, cfg: dict) -> None:
