@@ -65,6 +65,9 @@ def test_ct_checkpoint_loads_projections_quantized(ct_dirs, scheme, qdtype):
     assert model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float32
 
 
+# transformers warns that the checkpoint's own quantization_config wins over the dequantize=True config this
+# test passes on purpose (its loading attributes still apply)
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning:transformers")
 def test_dequantized_weights_equal_transformers(ct_dirs):
     """quant='none' dequantizes every weight: bit-equal to transformers' own compressed-tensors dequantization
     (the FP8 checkpoint; transformers 5.24 fails to load the int-quantized one on CPU, a conversion error

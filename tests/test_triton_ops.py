@@ -191,6 +191,8 @@ def test_route_kernel_ties_keep_the_lowest_index():
 
 
 @needs_triton
+# the NaN logits are the point: the interpreter's numpy subtraction on them warns
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 def test_route_kernel_nan_stays_in_bounds():
     """A NaN hidden state (an overflowed recurrence, say) must come out as NaN weights, not as an expert
     id past the end (the expert kernels would read outside the weights)."""
