@@ -129,6 +129,7 @@ def cmd_inspect(args) -> int:
     from onegraph.export.pipeline import inspect
     if is_artifact(args.artifact):
         print(inspect(args.artifact))
+        print(memory_text(Path(args.artifact)))
         return 0
     if args.artifact != "tiny" and not (Path(args.artifact) / "config.json").is_file():
         raise UserError(f"{args.artifact} is neither an onegraph artifact (no manifest.json) nor a checkpoint "
@@ -139,6 +140,27 @@ def cmd_inspect(args) -> int:
     if refusal is not None:
         raise refusal              # one line on stderr, exit 2: what load_model / export would say
     return 0
+
+
+def memory_text(path: Path) -> str:
+    """inspect's memory lines: bytes per slot at the artifact's max_seq_len, and with this machine's free
+    memory on the artifact's device the largest --max-slots that fits (runtime/memory.py)."""
+    import torch
+    from onegraph.runtime import memory
+    m = json.loads((path / "manifest.json").read_text())
+    dev = torch.device(m["device"]["type"])
+    need = memory.needed_bytes(path, m, 0, dev.type)
+    lines = [f"memory: {need['state_per_slot']} bytes ({need['state_per_slot'] / memory.MIB:.2f} MiB) of state per "
+             f"slot at max_seq_len {m['max_seq_len']}; weights {memory.gib(need['weights'])}"
+             + (" per rank" if m.get("tp", {}).get("size", 1) > 1 else "")
+             + f"; workspace estimate {memory.gib(need['workspace'])}"]
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        lines.append("  no CUDA device here: run inspect on the serving machine for the largest --max-slots")
+    else:
+        free = memory.free_bytes(dev)
+        fit = memory.max_slots_fitting(path, m, free, dev.type)
+        lines.append(f"  {memory.gib(free)} free on {dev.type} here: the largest --max-slots that fits is {fit}")
+    return "\n".join(lines)
 
 
 def cmd_eval(args) -> int:
@@ -257,11 +279,14 @@ def cmd_serve(args) -> int:
         raise UserError(f"{args.artifact} is not an exported artifact (no manifest.json)")
     if args.max_slots < 1 or args.max_queue < 0:
         raise UserError("need --max-slots >= 1 and --max-queue >= 0")
+    if args.prefill_budget is not None and args.prefill_budget < 1:
+        raise UserError(f"--prefill-budget must be >= 1 tokens, got {args.prefill_budget}")
     art, code = lead_or_follow(args, args.artifact, args.max_slots)   # tensor parallel: rank 0 serves
     if code is not None:
         return code
     engine = Engine.from_artifact(art, max_slots=args.max_slots, max_queue=args.max_queue,
-                                  cuda_graphs=args.cuda_graphs, speculation=args.speculation)
+                                  cuda_graphs=args.cuda_graphs, speculation=args.speculation,
+                                  prefill_budget=args.prefill_budget)
     name = args.served_model_name or Path(args.artifact).resolve().name
     app = create_app(engine, name, api_key=args.api_key)
     srv = app.state.server
@@ -387,6 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--max-slots", type=int, default=4)
     p.add_argument("--max-queue", type=int, default=64)
+    p.add_argument("--prefill-budget", type=int, default=None, metavar="TOKENS",
+                   help="prompt tokens prefilled per engine step, between the running streams' decode steps "
+                        "(default: the artifact's largest prefill chunk; at least one chunk runs per step)")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: artifact dir name)")
     p.add_argument("--device", default=None, help="artifact device (default: the one it was exported for)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

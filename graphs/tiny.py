@@ -49,7 +49,9 @@ TINY_HF_CONFIG = {
     "hidden_act": "silu",
     "rms_norm_eps": 1e-6,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-    "max_position_embeddings": 4096,
+    # the 35B shape's limit, not the context tiny was trained on: long-context artifacts (--max-seq-len
+    # 131072) export and size on a CPU with it
+    "max_position_embeddings": 262144,
     "tie_word_embeddings": False,
     "attention_bias": False,
     "eos_token_id": EOS_IDS,

@@ -1,8 +1,12 @@
 """Engine: the thin serving loop over a GraphExecutor — fixed slots, continuous batching, sampling
 on the device, and token output read one step late.
 
-One engine thread owns the executor. Per step it: admits waiting requests into free slots
-(chunked prefill, which samples the first token in-graph), gathers every active slot's last token
+One engine thread owns the executor. Per step it: admits waiting requests into free slots, runs
+prefill chunks up to a token budget (`prefill_budget`, default one largest chunk; at least one chunk per
+step), oldest admitted request first — a prompt's last chunk samples its first token in-graph, and only
+then does the request join the decode rows, so a long prompt holds its slot for several steps while the
+running streams keep decoding between its chunks (the chunk boundaries are those of a whole-prompt
+prefill, so outputs are unchanged) — then gathers every decoding slot's last token
 *on the device* (`last_tok[slots]`, never through the host), replays the decode graph of the
 smallest fitting bucket, scatters the sampled ids back into `last_tok`, queues a non-blocking copy
 of them to the host, and only then reads the ids of the *previous* step (docs/design.md). Stop ids
@@ -70,6 +74,7 @@ class Request:
     emit: callable                      # emit(Event), called on the engine thread
     slot: int = -1
     pos: int = 0                        # position of the token that the next decode feeds
+    prefilled: int = 0                  # prompt tokens prefilled so far (== len(prompt): decoding)
     produced: int = 0                   # tokens sampled (delivered or in flight)
     done: bool = False
     cancelled: bool = False
@@ -81,9 +86,15 @@ class Request:
 
 
 class Engine:
-    def __init__(self, executor: GraphExecutor, max_queue: int = 64, speculation: bool | None = None):
+    def __init__(self, executor: GraphExecutor, max_queue: int = 64, speculation: bool | None = None,
+                 prefill_budget: int | None = None):
         """speculation: None uses the artifact's speculative graphs where it has them, False decodes one token
-        per step, True requires them (ValueError naming the export option if the artifact has none)."""
+        per step, True requires them (ValueError naming the export option if the artifact has none).
+        prefill_budget: prompt tokens prefilled per engine step between decode steps (default: the largest
+        prefill chunk; at least one chunk runs per step whatever its size)."""
+        if prefill_budget is not None and prefill_budget < 1:
+            raise ValueError(f"prefill_budget must be >= 1 prompt tokens per step, got {prefill_budget}")
+        self.prefill_budget = int(prefill_budget or executor.prefill_buckets[-1])
         if speculation and not executor.speculative_tokens:
             raise ValueError("speculative decoding needs an artifact exported with --speculative-tokens K "
                              "(this one has no draft / verify graphs)")
@@ -92,7 +103,8 @@ class Engine:
         self.max_queue = max_queue
         self.vocab = executor.vocab_size
         self.waiting: collections.deque[Request] = collections.deque()
-        self.active: dict[int, Request] = {}            # slot -> request
+        self.active: dict[int, Request] = {}            # slot -> request (prefilling or decoding)
+        self.prefilling: collections.deque[Request] = collections.deque()   # admitted, prompt not all fed yet
         self.free = list(range(executor.max_slots))
         self.ids = itertools.count()
         self.cv = threading.Condition()
@@ -110,21 +122,24 @@ class Engine:
     @classmethod
     def from_artifact(cls, path, max_slots: int = 4, max_queue: int = 64, device: str | None = None,
                       check_parity: bool = True, cuda_graphs: bool = True,
-                      speculation: bool | None = None) -> "Engine":
+                      speculation: bool | None = None, prefill_budget: int | None = None,
+                      free_memory: int | None = None) -> "Engine":
         """An engine over an artifact: a directory (verified here, for `device`: default the artifact's) or an
-        Artifact already loaded (on its own device)."""
+        Artifact already loaded (on its own device). prefill_budget: see Engine. A max_slots that does not
+        fit in the device's free memory (or `free_memory` bytes) is refused with a ValueError naming the
+        memory needed and free (GraphExecutor.from_artifact)."""
         art = path if isinstance(path, Artifact) else Artifact.load(path, device)
         if speculation and not art.speculative_tokens:     # refused before any graph loads
             raise ValueError(f"{art.path} has no draft / verify graphs: export it with --speculative-tokens K "
                              f"to decode speculatively")
         ex = GraphExecutor.from_artifact(art, max_slots=max_slots, check_parity=check_parity,
-                                         cuda_graphs=cuda_graphs)
-        log.info("onegraph engine: %s, %d slots, decode buckets %s, prefill chunks %s, speculative tokens %s",
-                 ex.path, max_slots, ex.decode_buckets, ex.prefill_buckets,
-                 ex.speculative_tokens if speculation is not False else "off")
+                                         cuda_graphs=cuda_graphs, free_memory=free_memory)
+        log.info("onegraph engine: %s, %d slots, decode buckets %s, prefill chunks %s, prefill budget %s tokens "
+                 "per step, speculative tokens %s", ex.path, max_slots, ex.decode_buckets, ex.prefill_buckets,
+                 prefill_budget or ex.prefill_buckets[-1], ex.speculative_tokens if speculation is not False else "off")
         if ex.fixture_report is not None:
             log.info("onegraph parity fixture: %s", ex.fixture_report)
-        return cls(ex, max_queue, speculation)
+        return cls(ex, max_queue, speculation, prefill_budget)
 
     @property
     def artifact(self) -> Artifact | None:
@@ -241,7 +256,8 @@ class Engine:
         with self.cv:
             steps = max(1, self.counters["decode_steps"])
             return {"path": self.ex.path, "active_slots": len(self.active), "free_slots": len(self.free), "queue_depth": len(self.waiting),
-                    "max_slots": self.ex.max_slots, "counters": dict(self.counters),
+                    "max_slots": self.ex.max_slots, "prefilling": len(self.prefilling),
+                    "prefill_budget": self.prefill_budget, "counters": dict(self.counters),
                     "step_us": {k: v / steps for k, v in self.step_us.items()},
                     "speculation": self._spec_stats(), "error": repr(self.error) if self.error else None}
 
@@ -288,6 +304,7 @@ class Engine:
                         r.emit(Event(None, "error"))
                 self.waiting.clear()
                 self.active.clear()
+                self.prefilling.clear()
             raise
 
     def _iteration(self) -> bool:
@@ -303,7 +320,6 @@ class Engine:
             for r in list(self.active.values()):
                 if r.cancelled:
                     self._finish(r, "cancelled")
-            admit = []
             while self.waiting and self.free and not self.closed:
                 r = self.waiting.popleft()
                 if r.cancelled:
@@ -312,18 +328,22 @@ class Engine:
                     continue
                 r.slot = self.free.pop(0)
                 self.active[r.slot] = r
-                admit.append(r)
+                self.prefilling.append(r)
             if self.closed:
                 for r in list(self.active.values()):
                     self._finish(r, "cancelled")
-            rows = [r for r in self.active.values() if r.produced < r.max_new_tokens and r not in admit]
+            # a request cancelled mid-prefill left with its slot (_finish above): its chunks stop here
+            self.prefilling = collections.deque(r for r in self.prefilling if not r.done)
+            # requests whose prompt is all fed; one whose last chunk runs below decodes from the next step on
+            rows = [r for r in self.active.values() if r.prefilled == len(r.prompt) and r.produced < r.max_new_tokens]
         previous, self.inflight = self.inflight, []
-        for r in admit:
-            self._prefill(r)
+        chunks = self._prefill_chunks()
+        if rows and self.prefilling:          # a prompt part-fed: its neighbours decode on between its chunks
+            self.counters["decode_steps_between_chunks"] += 1
         self._decode(rows)
         # one step late: read what the previous iteration launched while this one runs
         self._read(previous)
-        if not admit and not rows:
+        if not chunks and not rows:
             self._read(self.inflight)           # nothing new launched: flush
             self.inflight = []
         return True
@@ -389,13 +409,28 @@ class Engine:
         for tok in tokens:
             self._deliver(r, tok)
 
-    def _prefill(self, r: Request):
-        t = time.perf_counter()
-        ids, _ = self.ex.prefill(r.prompt, r.slot, r.sampling)
-        r.pos, r.produced = len(r.prompt), 1
-        self.counters["prefill_tokens"] += len(r.prompt)
-        self.step_us["prefill"] += (time.perf_counter() - t) * 1e6
-        self._launch([r], ids)
+    def _prefill_chunks(self) -> int:
+        """This step's prefill: chunks of the oldest prefilling requests while their prompt tokens fit in
+        prefill_budget (the first chunk always runs) -> chunks run. A prompt's last chunk launches its
+        first token, read one step late as a decode step's ids are."""
+        spent = chunks = 0
+        while self.prefilling:
+            r = self.prefilling[0]
+            n = self.ex.chunk_tokens(len(r.prompt) - r.prefilled)
+            if chunks and spent + n > self.prefill_budget:
+                break
+            t = time.perf_counter()
+            ids, _ = self.ex.prefill_chunk(r.prompt, r.prefilled, r.slot, r.sampling)
+            r.prefilled += n
+            spent, chunks = spent + n, chunks + 1
+            self.counters["prefill_tokens"] += n
+            self.counters["prefill_chunks"] += 1
+            self.step_us["prefill"] += (time.perf_counter() - t) * 1e6
+            if r.prefilled == len(r.prompt):
+                self.prefilling.popleft()
+                r.pos, r.produced = len(r.prompt), 1
+                self._launch([r], ids)
+        return chunks
 
     def _decode(self, rows: list[Request]):
         if not rows:

@@ -103,10 +103,13 @@ class GraphExecutor:
     # ---- construction ----
     @classmethod
     def from_artifact(cls, artifact: str | Path | Artifact, max_slots: int = 4, device: str | None = None,
-                      check_parity: bool = True, cuda_graphs: bool = True) -> "GraphExecutor":
+                      check_parity: bool = True, cuda_graphs: bool = True,
+                      free_memory: int | None = None) -> "GraphExecutor":
         """An executor over an artifact (a directory, verified here, or an Artifact already loaded, in
         which case `device` is its own); the parity fixture is replayed unless check_parity=False.
-        On CUDA, each decode bucket is captured as a CUDA graph unless cuda_graphs=False."""
+        On CUDA, each decode bucket is captured as a CUDA graph unless cuda_graphs=False. A max_slots whose
+        weights + state + workspace exceed the device's free memory (or `free_memory` bytes, when given) is
+        refused before anything is allocated (runtime/memory.py, ValueError naming both)."""
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
         art = artifact if isinstance(artifact, Artifact) else Artifact.load(artifact, device)
@@ -118,6 +121,8 @@ class GraphExecutor:
         if art.tp > 1:                             # this rank's graphs and weight shard
             from .ranks import artifact_rank
             art = art.for_rank(artifact_rank(art))
+        from .memory import check_fits
+        check_fits(art.path, art.manifest, max_slots, dev, free_memory, art.rank)
         graphs, loaded = cls._load_graphs(art, dev)
         ex = cls(graphs, art.graphs, art.state, max_slots, art.max_seq_len, art.model["vocab_size"], dev)
         ex.artifact = art
@@ -231,28 +236,38 @@ class GraphExecutor:
 
     def prefill(self, prompt: list[int], slot: int, sampling: Sampling = Sampling(), start_pos: int = 0):
         """Prefill `prompt` into `slot` from start_pos in chunk buckets -> (next_id [1], logits [1, V])."""
-        d, pos, i = self.device, start_pos, 0
+        i = 0
         while i < len(prompt):
-            rest = len(prompt) - i
-            T = next((b for b in self.prefill_buckets if b >= rest), self.prefill_buckets[-1])
-            part = prompt[i:i + T]
-            toks = torch.zeros(T, dtype=torch.int64, device=d)
-            toks[:len(part)] = torch.tensor(part, dtype=torch.int64)
-            extra = []
-            if any(i["name"] == "next_tokens" for i in self.meta[f"prefill_t{T}"]["inputs"]):
-                # the MTP head's x_{t+1} per row: the prompt shifted by one; -1 at the prompt's last token,
-                # whose next token the graph samples (graphs/spec_graphs.py prefill); padding rows 0
-                nxt = torch.zeros(T, dtype=torch.int64)
-                nxt[:len(part)] = torch.tensor(prompt[i + 1:i + 1 + len(part)] + [-1] * (i + len(part) == len(prompt)),
-                                               dtype=torch.int64)
-                extra = [nxt.to(d)]
-            ids, logits = self.call(f"prefill_t{T}", [toks, torch.tensor([slot], device=d),
-                                                      torch.tensor([pos], device=d),
-                                                      torch.tensor([len(part)], device=d)]
-                                    + self._sampling([sampling], 1) + extra)
-            i += len(part)
-            pos += len(part)
+            ids, logits = self.prefill_chunk(prompt, i, slot, sampling, start_pos)
+            i += self.chunk_tokens(len(prompt) - i)
         return ids, logits
+
+    def chunk_tokens(self, rest: int) -> int:
+        """Prompt tokens the next prefill chunk feeds when `rest` are left: all of them if a bucket holds
+        them (the smallest such bucket runs), else the largest bucket's worth."""
+        return min(rest, self.prefill_buckets[-1])
+
+    def prefill_chunk(self, prompt: list[int], i: int, slot: int, sampling: Sampling = Sampling(),
+                      start_pos: int = 0):
+        """One chunk of prefill(): prompt[i:i + chunk_tokens(len(prompt) - i)] into `slot` at position
+        start_pos + i -> (next_id [1], logits [1, V]). Only the prompt's last chunk samples the request's
+        first token; the id an earlier chunk writes to last_tok[slot] is overwritten by the next one.
+        The Engine calls this chunk by chunk, between decode steps of other slots."""
+        d, rest = self.device, len(prompt) - i
+        T = next((b for b in self.prefill_buckets if b >= rest), self.prefill_buckets[-1])
+        part = prompt[i:i + T]
+        toks = torch.zeros(T, dtype=torch.int64, device=d)
+        toks[:len(part)] = torch.tensor(part, dtype=torch.int64)
+        extra = []
+        if any(x["name"] == "next_tokens" for x in self.meta[f"prefill_t{T}"]["inputs"]):
+            # the MTP head's x_{t+1} per row: the prompt shifted by one; -1 at the prompt's last token,
+            # whose next token the graph samples (graphs/spec_graphs.py prefill); padding rows 0
+            nxt = torch.zeros(T, dtype=torch.int64)
+            nxt[:len(part)] = torch.tensor(prompt[i + 1:i + 1 + len(part)] + [-1] * (i + len(part) == len(prompt)),
+                                           dtype=torch.int64)
+            extra = [nxt.to(d)]
+        return self.call(f"prefill_t{T}", [toks, torch.tensor([slot], device=d), torch.tensor([start_pos + i], device=d),
+                                           torch.tensor([len(part)], device=d)] + self._sampling([sampling], 1) + extra)
 
     def decode_bucket(self, n: int) -> int:
         b = next((b for b in self.decode_buckets if b >= n), None)

@@ -30,6 +30,8 @@ class Metrics:
         Gauge("onegraph_queue_depth", "requests waiting for a slot", registry=r).set_function(
             lambda: engine.stats()["queue_depth"])
         Gauge("onegraph_max_slots", "engine slots", registry=r).set_function(lambda: engine.stats()["max_slots"])
+        Gauge("onegraph_prefill_budget_tokens", "prompt tokens prefilled per engine step", registry=r).set_function(
+            lambda: engine.stats().get("prefill_budget", 0))
         if getattr(engine, "spec", 0):          # speculative decoding (runtime/engine.py): since the engine started
             def spec(key):
                 return lambda: (engine.stats()["speculation"] or {}).get(key, 0.0)

@@ -134,3 +134,90 @@ def test_decode_staging_rows_and_padding(engine):
     assert torch.equal(st.ints[0], torch.tensor([2, 0, 5, 9])) and torch.equal(st.ints[1], torch.tensor([17, 0, 255, 0]))
     assert torch.equal(st.ints[2], top_k) and torch.equal(st.ints[3], seed)
     assert torch.equal(st.floats[0], temperature) and torch.equal(st.floats[1], top_p)
+
+LONG = [(7 * i + 3) % 250 + 1 for i in range(100)]      # 100 tokens: 7 chunks of the artifact's 16
+
+
+def long_prompt_among_runners(eng, cancel_mid_prefill=False):
+    """Two streams decode; once each has 2 tokens, LONG is submitted (8 new tokens). Every event records
+    engine.counters["prefill_chunks"] when it was emitted (on the engine thread) -> (runners' [(token,
+    chunks)], long's tokens, long's finish reason, the chunk count at long's first token or finish).
+    cancel_mid_prefill: a runner's emit cancels LONG once part of it, not all, is prefilled."""
+    import threading
+    runners, started, finished = [[1, 2, 3], COLOUR_CANARY], threading.Event(), threading.Event()
+    got = {0: [], 1: []}
+    long_out, long_end, long_id = [], [], []
+
+    def runner_emit(k):
+        def emit(ev):
+            if ev.token_id is not None:
+                got[k].append((ev.token_id, eng.counters["prefill_chunks"]))
+            if len(got[0]) >= 2 and len(got[1]) >= 2:
+                started.set()
+            if cancel_mid_prefill and long_id and any(r.id == long_id[0] and 0 < r.prefilled < len(LONG)
+                                                      for r in eng.prefilling):
+                eng.cancel(long_id[0])                   # reentrant: emit runs under the engine's lock
+        return emit
+
+    def emit_long(ev):
+        if ev.token_id is not None:
+            long_out.append(ev.token_id)
+        if not long_end and (ev.token_id is not None or ev.finish_reason is not None):
+            long_end.append(eng.counters["prefill_chunks"])
+        if ev.finish_reason is not None:
+            long_end.append(ev.finish_reason)
+            finished.set()
+    done = [threading.Event(), threading.Event()]
+
+    def ender(k, emit):
+        return lambda ev: (emit(ev), ev.finish_reason is not None and done[k].set())
+    for k, p in enumerate(runners):
+        eng.submit(p, ender(k, runner_emit(k)), max_new_tokens=120)
+    assert started.wait(60)
+    long_id.append(eng.submit(LONG, emit_long, max_new_tokens=8))
+    assert finished.wait(60) and all(d.wait(60) for d in done)
+    return got, long_out, long_end[-1], long_end[0]
+
+
+def test_long_prompt_prefills_chunk_by_chunk_between_decode_steps(engine, tiny_eager):
+    """A 7-chunk prompt admitted while two streams decode: with the default budget (one 16-token chunk
+    per step) the running streams get a token after each of its first 6 chunks, and every output equals
+    its solo eager run."""
+    assert engine.stats()["prefill_budget"] == 16
+    before = engine.stats()["counters"].get("decode_steps_between_chunks", 0)
+    got, long_out, reason, at_first = long_prompt_among_runners(engine)
+    mid = {c for k in got for _, c in got[k] if at_first - 6 <= c < at_first}   # long part-fed
+    assert mid == set(range(at_first - 6, at_first)), f"runners saw chunk counts {sorted(mid)} mid-prefill"
+    assert engine.stats()["counters"]["decode_steps_between_chunks"] - before >= 6
+    assert reason == "length" and long_out == solo(tiny_eager, LONG, 8)
+    for k, p in enumerate([[1, 2, 3], COLOUR_CANARY]):
+        toks = [t for t, _ in got[k]]
+        assert toks == solo(tiny_eager, p, 120), f"runner {k} differs at {canary.first_diff(toks, solo(tiny_eager, p, 120))}"
+
+
+def test_prefill_budget_of_a_whole_prompt_stalls_the_runners(tiny_artifact, tiny_eager):
+    """The control: a budget holding all of LONG prefills it in one step, so no runner token arrives while
+    it is part-fed (what interleaving removes); outputs are the same."""
+    with pytest.raises(ValueError, match="prefill_budget"):
+        Engine.from_artifact(tiny_artifact, max_slots=3, check_parity=False, prefill_budget=0)
+    eng = Engine.from_artifact(tiny_artifact, max_slots=3, check_parity=False, prefill_budget=len(LONG))
+    try:
+        assert eng.stats()["prefill_budget"] == len(LONG)
+        got, long_out, _, at_first = long_prompt_among_runners(eng)
+        assert not [c for k in got for _, c in got[k] if at_first - 6 <= c < at_first]
+        assert eng.stats()["counters"].get("decode_steps_between_chunks", 0) == 0
+        assert long_out == solo(tiny_eager, LONG, 8)
+    finally:
+        eng.close()
+
+
+def test_cancel_mid_prefill_frees_the_slot(engine, tiny_eager):
+    got, long_out, reason, chunks_at_end = long_prompt_among_runners(engine, cancel_mid_prefill=True)
+    assert reason == "cancelled" and long_out == []
+    for k, p in enumerate([[1, 2, 3], COLOUR_CANARY]):
+        assert [t for t, _ in got[k]] == solo(tiny_eager, p, 120)
+    st = engine.stats()
+    assert st["active_slots"] == 0 and st["prefilling"] == 0 and st["free_slots"] == 3
+    # the part-prefilled slot is reused clean (every slot is taken by these three)
+    for _ in range(3):
+        assert engine.generate(LONG[:40], 12).token_ids == solo(tiny_eager, LONG[:40], 12)
