@@ -67,9 +67,14 @@ def example_inputs(spec: GraphSpec, device) -> tuple:
     return tuple(out)
 
 
-def dynamic_shapes(spec: GraphSpec):
+def dynamic_shapes(spec: GraphSpec, batch: Dim | None = None):
+    """The slot dim S of the state is dynamic. batch (a decode graph only; tools/bench_symbolic_batch.py):
+    the head inputs' batch dim B too, one graph for every B in the Dim's range instead of one per bucket."""
     S = Dim("S", min=2, max=1 << 16)
-    return (tuple({0: S} if s and s[0] == "S" else None for _, s, _ in spec.inputs),)
+    if batch is not None and spec.kind != "decode":
+        raise ValueError(f"a symbolic batch is for decode graphs, not {spec.kind}")
+    return (tuple({0: S} if s and s[0] == "S" else {0: batch} if batch is not None else None
+                  for _, s, _ in spec.inputs),)
 
 
 def entry_module(model: Qwen35Model, kind: str, k: int = 0) -> torch.nn.Module:

@@ -58,12 +58,14 @@ def check_lowered(ep: torch.export.ExportedProgram, device_type: str) -> dict[st
     return hist
 
 
-def trace(model, spec: GraphSpec, device, kernels: str = "auto") -> tuple[torch.export.ExportedProgram, dict]:
+def trace(model, spec: GraphSpec, device, kernels: str = "auto",
+          batch: torch.export.Dim | None = None) -> tuple[torch.export.ExportedProgram, dict]:
+    """batch: a decode graph's batch dim made symbolic over that Dim's range (entry.dynamic_shapes)."""
     dev = torch.device(device)
     args = example_inputs(spec, dev)
     with torch.no_grad():
-        ep = torch.export.export(entry_module(model, spec.kind, spec.k), args, dynamic_shapes=dynamic_shapes(spec),
-                                 strict=False)
+        ep = torch.export.export(entry_module(model, spec.kind, spec.k), args,
+                                 dynamic_shapes=dynamic_shapes(spec, batch), strict=False)
         ep = ep.run_decompositions(decompositions(dev.type, kernels))
         if dev.type != "cpu" and kernels == "auto":
             fold_state_writes(ep)          # the Triton kernels write decode state rows in place

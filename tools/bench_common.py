@@ -1,6 +1,7 @@
 """What the bench tools share (bench.py, bench_big.py, bench_big_spec.py, bench_ops.py, bench_pdl.py), so none
 imports another for it: a device sync for timers, a captured graph's replay time, the weight bytes a decode
-step reads, the kernel-name regions of a profiled decode step, and transformers' decode time."""
+step reads, the kernel-name regions of a profiled decode step, transformers' decode time, and a random
+model of a known shape (bench_symbolic_batch.py, bench_lower_set.py)."""
 from __future__ import annotations
 
 import time
@@ -72,3 +73,25 @@ def hf_decode_ms(model, B: int, steps: int, device, prompt_len: int = 3) -> floa
         cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
     sync(device)
     return (time.perf_counter() - t) / steps * 1e3
+
+
+SHAPES = {"35b": "QWEN35_35B_A3B_HF_CONFIG", "tiny": "TINY_HF_CONFIG"}     # --shape -> graphs/tiny.py config
+
+
+def random_shape_model(shape: str, layers: int, dtype: torch.dtype, device):
+    """A seeded random model of a known shape (35b: Qwen3.5-35B-A3B, 69 GB in bf16; tiny), its projections
+    fused as export fuses them -> (model, layers_full). layers > 0 keeps the first `layers` decoder layers
+    (the config's layer pattern; 4 = one 3 GDN + 1 attention unit of the 35B model)."""
+    from onegraph.graphs import tiny
+    from onegraph.graphs.config import ModelConfig
+    from onegraph.graphs.fuse import fuse_projections
+    hf = dict(getattr(tiny, SHAPES[shape]))
+    full = hf["num_hidden_layers"]
+    if not 0 <= layers <= full:
+        raise ValueError(f"--layers must be in 1..{full} for the {shape} shape, got {layers}")
+    if layers:
+        hf["num_hidden_layers"] = layers
+        if "layer_types" in hf:
+            hf["layer_types"] = hf["layer_types"][:layers]
+    model = tiny.random_model(ModelConfig.from_hf(hf), dtype, device)
+    return fuse_projections(model), full

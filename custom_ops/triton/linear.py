@@ -128,7 +128,9 @@ DEFAULT_TILE = {True: (4, 128, 8, 3), False: (32, 128, 4, 4)}
 
 
 def tile(M: int, K: int) -> tuple[int, int, int, int]:
-    one = M == 1
+    # bool(): under a symbolic batch (tools/bench_symbolic_batch.py) M == 1 is a SymBool, and using it in the
+    # TILES key made the export's decomposition crash inside sympy; bool() guards M on the trace's example
+    one = bool(M == 1)
     bn, bk, warps, stages = TILES.get((one, K), DEFAULT_TILE[one])
     return bn, min(bk, triton.next_power_of_2(K)), warps, stages
 
