@@ -84,7 +84,10 @@ def accepted(ep, model, batches: list[int], max_seq_len: int) -> tuple[list[int]
     guards before it runs; here they are checked alone, on meta inputs (only sizes matter)."""
     from onegraph.graphs.signature import graph_spec
     from onegraph.export.entry import example_inputs
-    guards, ok, refused = ep.module()._guards_fn, [], {}
+    guards, ok, refused = getattr(ep.module(), "_guards_fn", None), [], {}
+    if guards is None:                          # a torch without the module's guard check: trust no other batch
+        raise RuntimeError("this torch's ExportedProgram.module() has no _guards_fn: the batches a symbolic graph "
+                           "accepts cannot be checked")
     for B in batches:
         try:
             guards(*example_inputs(graph_spec(model, "decode", B, max_seq_len, torch.float32), "meta"))
@@ -97,8 +100,8 @@ def accepted(ep, model, batches: list[int], max_seq_len: int) -> tuple[list[int]
 def trace_all(model, batches: list[int], kernels: str, args, dev) -> tuple[dict, dict, dict]:
     """-> (traced programs by tag, their trace rows, the symbolic report). Tags: static_<kernels>_b<B>, and
     symbolic_<kernels>_<i>: the symbolic graphs, each traced with B = Dim(min(batches), max(batches)) at the
-    largest batch no earlier one accepts (at least 2), until every batch has one (or one is specialized, or
-    fails)."""
+    largest batch no earlier one accepts (at least 2), until every batch is covered or was the largest left
+    when its round found no graph for it (an error, a specialized batch dim, a guard refusing it)."""
     from onegraph.export.trace import trace
     from onegraph.graphs.signature import graph_spec
     from torch.export import Dim
@@ -114,29 +117,35 @@ def trace_all(model, batches: list[int], kernels: str, args, dev) -> tuple[dict,
     while left:
         tag, t = f"symbolic_{kernels}_{len(report['segments'])}", time.time()
         # torch.export specializes a dim whose example is 1 (refused for a Dim): B = 1 is traced at 2
-        seg: dict = {"tag": tag, "example_batch": max(left + [2])}
+        seg: dict = {"tag": tag, "example_batch": max(left + [2]), "covers": []}
         report["segments"].append(seg)
         spec = graph_spec(model, "decode", seg["example_batch"], args.max_seq_len, dtype)
+        top = max(left)
         try:
             with guard_messages() as guards:
                 ep, hist = trace(model, spec, dev, kernels, batch=Dim("B", min=min(batches), max=max(batches)))
         except Exception as e:                 # recorded, not hidden: the per-bucket graphs are still measured
             seg.update(error=f"{type(e).__name__}: {e}"[:1500], guards=guards)
-            break
+            left.remove(top)
+            continue
         seg.update(batch_dim(ep), guards=guards)
         rows[tag] = {"kernels": kernels, "batch": "symbolic", "trace_s": round(time.time() - t, 1),
                      "nodes": sum(hist.values())}
-        if not seg["symbolic"]:
+        if seg["symbolic"]:
+            try:
+                seg["covers"], seg["refused"] = accepted(ep, model, left, args.max_seq_len)
+            except RuntimeError as e:          # no guard check: no batch is served by this graph
+                seg["error"] = str(e)
+        else:
             rows[tag]["not_lowered"] = "the batch dim was specialized: this is the static graph of the example batch"
-            break
-        seg["covers"], seg["refused"] = accepted(ep, model, left, args.max_seq_len)
-        if not seg["covers"]:
-            break
-        eps[tag] = ep
-        left = [b for b in left if b not in seg["covers"]]
-    # None: some batch has no symbolic graph (the reason is in the last segment)
-    report["graphs_needed"] = None if left else len(report["segments"])
-    report["uncovered"] = left
+        if seg["covers"]:
+            eps[tag] = ep
+        # every round retires at least the largest batch left: covered, or with no symbolic graph
+        left = [b for b in left if b not in seg["covers"] and b != top]
+    uncovered = [b for b in batches if not any(b in g["covers"] for g in report["segments"])]
+    # None: some batch has no symbolic graph (why: in the segment that had it as its largest batch left)
+    report["graphs_needed"] = None if uncovered else sum(bool(g["covers"]) for g in report["segments"])
+    report["uncovered"] = uncovered
     return eps, rows, report
 
 
