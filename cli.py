@@ -109,7 +109,7 @@ def cmd_export(args) -> int:
                          max_seq_len=args.max_seq_len, tp=args.tp, kernels=args.kernels,
                          eager_rounding=not args.fused_rounding, fp32_reduce=args.fp32_reduce,
                          allow_unused_weights=args.allow_unused_weights, quant=args.quant,
-                         speculative_tokens=spec_tokens(args.speculative_tokens))
+                         speculative_tokens=spec_tokens(args.speculative_tokens), weights=args.weights)
     from onegraph.export.staging import ExportInterrupted
     from onegraph.export.workers import LoweringError
     try:
@@ -372,6 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-tokens", type=int, default=None, metavar="K",
                    help="also export speculative graphs: the checkpoint's MTP head drafts K (1..4) tokens per round, "
                         "verified by the model in one pass (a checkpoint with mtp.* weights; --backend aoti, --tp 1)")
+    p.add_argument("--weights", default="copy", choices=["copy", "reference"],
+                   help="copy (default): the graph weights in the artifact's weights.safetensors; reference: the "
+                        "artifact records the checkpoint's files (absolute path, size, sha256) and the recipe, and "
+                        "makes the weights from them at every load after verifying each file (README Layout)")
     add_allow_unused_arg(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--force", action="store_true", help="replace an existing artifact at --out")

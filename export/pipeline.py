@@ -35,11 +35,13 @@ from onegraph.custom_ops import schema_versions
 from onegraph.custom_ops.sample import Sampling
 from onegraph.graphs.eager import generate_eager, router_margins
 from onegraph.graphs.fuse import fuse_projections
-from onegraph.graphs.load import check_checkpoint, load_model, model_dir, quant_method, resolve_dtype
+from onegraph.graphs.load import check_checkpoint, model_dir, quant_method, resolve_dtype
 from onegraph.graphs.quant import QUANT_CHOICES, SCHEMES, resolve
+from onegraph.graphs.recipe import checkpoint_files, load_tp1, rank_model, recipe_of, state_tensors, tensors_sha256
 from onegraph.graphs.signature import graph_spec, split_inputs
 from onegraph.graphs.tp import check_divisible
-from onegraph.runtime.artifact import device_descriptor, load_manifest, sha256_file, tool_versions, write_manifest
+from onegraph.runtime.artifact import device_descriptor, load_manifest, tool_versions, write_manifest
+from onegraph.runtime.weight_refs import sha256_files
 
 from .cache import DEFAULT_DIR as DEFAULT_CACHE_DIR
 from .cache import GraphCache, graph_key, warm_toolchain
@@ -69,6 +71,8 @@ class ExportOptions:
     quant: str = "auto"                        # dense projections' weights (graphs/quant.py): auto (the checkpoint's;
                                                # resolved before export) | none (model dtype) | fp8 | int8 | fp8-channel
     speculative_tokens: int = 0                # > 0: MTP draft + verify graphs of k drafts (graphs/spec_graphs.py)
+    weights: str = "copy"                      # copy: weights.safetensors in the artifact | reference: the checkpoint's
+                                               # files by path + sha256, made into the weights at load (graphs/recipe.py)
 
     def validate(self, max_positions: int) -> None:
         if self.backend not in ("aoti", "onnx"):
@@ -87,6 +91,11 @@ class ExportOptions:
             raise ValueError(f"--max-seq-len must be in 1..{max_positions} (max_position_embeddings)")
         if self.tp < 1:
             raise ValueError(f"--tp must be >= 1, got {self.tp}")
+        if self.weights not in ("copy", "reference"):
+            raise ValueError(f"--weights must be copy or reference, got {self.weights!r}")
+        if self.weights == "reference" and self.backend != "aoti":
+            raise ValueError("--weights reference needs --backend aoti (an ONNX graph file points at the weights in the "
+                             "artifact's weights.safetensors)")
         if self.fp32_reduce and self.backend != "aoti":
             raise ValueError("--fp32-reduce needs --backend aoti (the ONNX backend is fp32 only: its sums are fp32 already)")
         if self.tp > 1 and self.backend != "aoti":
@@ -116,9 +125,7 @@ def resolve_quant(model_spec, opts: ExportOptions) -> ExportOptions:
 def shard(model, opts: ExportOptions) -> list:
     """One model per rank (graphs/tp.py's plan; TP-1: the model itself), each with its same-input
     projections concatenated (graphs/fuse.py) after sharding."""
-    from onegraph.graphs.load import shard_model
-    ranks = [model] if opts.tp == 1 else [shard_model(model, r, opts.tp) for r in range(opts.tp)]
-    return [fuse_projections(m) for m in ranks]
+    return [rank_model(model, r, opts.tp) for r in range(opts.tp)]
 
 
 @contextlib.contextmanager
@@ -212,9 +219,9 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
     bar.set_postfix_str("load")
     # the cache key's toolchain, and on CPU Inductor's vector-ISA probes, while the model loads and traces
     warm = warm_toolchain(dev.type) if opts.backend == "aoti" else None
-    cfg, model, src = load_model(model_spec, dtype, dev, fp32_reduce=opts.fp32_reduce,
-                                  allow_unused=opts.allow_unused_weights, fuse=False, quant=opts.quant,
-                                  mtp=k > 0)
+    # the options that decide the weights: a referencing artifact records them and the runtime repeats this path
+    recipe = recipe_of(opts.dtype, opts.quant, opts.fp32_reduce, opts.allow_unused_weights, k > 0, tp)
+    cfg, model, src = load_tp1(model_spec, recipe, dev)
     ranks = shard(model, opts)
     fuse_projections(model)          # the TP-1 eager model records the fixture: the same projections
 
@@ -232,7 +239,7 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
     # worker started would depend on when it started and a re-export would not reproduce it byte for byte
     bar.set_postfix_str("fixture")
     save_file(fixture(model, opts.max_seq_len), str(stage / "fixture.safetensors"))   # TP-1 eager: the truth
-    pool, t_trace = None, {}
+    pool, t_trace, digests, nbytes = None, {}, [], []
 
     def finished(done: list[Done]) -> None:
         for d in done:
@@ -249,12 +256,14 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
             pool = LoweringPool(min(n_jobs, n_graphs), dev, tp, work / "logs", on_lower_start)
         with trace_group(tp) as group_name:
             for r, rank_model in enumerate(ranks):
-                # weights first: written once either way, and the cache key holds their hash
-                weights = {n: t.detach().contiguous().cpu() for n, t in
-                           list(rank_model.named_parameters(prefix="model")) +
-                           list(rank_model.named_buffers(prefix="model"))}
-                save_file(weights, str(stage / weights_file.format(rank=r)))
-                weights_sha = sha256_file(stage / weights_file.format(rank=r)) if cache is not None else None
+                # weights first: written once (--weights copy), and the cache key holds their digest, which
+                # a referencing manifest records (the runtime checks the weights it makes against it)
+                weights = state_tensors(rank_model)
+                if opts.weights == "copy":
+                    save_file(weights, str(stage / weights_file.format(rank=r)))
+                weights_sha = tensors_sha256(weights) if cache is not None or opts.weights == "reference" else None
+                digests.append(weights_sha)
+                nbytes.append(sum(t.nbytes for t in weights.values()))
                 shared = False
                 for kind, bucket in lowering_order(specs_wanted):
                     spec = graph_spec(rank_model, kind, bucket, opts.max_seq_len, dtype, k)
@@ -326,9 +335,12 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
         "backend": opts.backend, "model": cfg.to_dict(), "dtype": opts.dtype,
         "device": device_desc, "versions": tool_versions(opts.backend), "ops": schema_versions(),
         "options": dataclasses.asdict(opts), "max_seq_len": opts.max_seq_len, "graphs": graphs, "state": state,
-        "weights": weights_file, "weight_shapes": {n: list(t.shape) for n, t in weights.items()},
+        "weights": weights_file if opts.weights == "copy" else None,
+        "weight_shapes": {n: list(t.shape) for n, t in weights.items()},
         "fixture": "fixture.safetensors", "timings_s": timings, "speculative_tokens": k,
     }
+    if opts.weights == "reference":
+        manifest["weights_reference"] = reference(model_spec, src, recipe, digests, nbytes)
     if opts.backend == "aoti":
         manifest["lowering"] = lowering                # aoti.py's Inductor configs, as the graphs were compiled
     if tp > 1:
@@ -341,10 +353,24 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
     bar.close()
     gdir = stage / "graphs"
     sizes = {str(p.relative_to(gdir)): p.stat().st_size for p in sorted(gdir.rglob("*")) if p.is_file()}
+    ref = manifest.get("weights_reference")
     return {"graphs": sizes, "weights_bytes": sum((stage / weights_file.format(rank=r)).stat().st_size
-                                                  for r in range(tp)),
+                                                  for r in range(tp)) if ref is None else 0,
+            "weights_referenced": ref and {"checkpoint": ref["checkpoint"], "files": len(ref["files"]),
+                                           "bytes": sum(f["size"] for f in ref["files"].values())},
             "timings_s": timings, "compile_s": compile_s, "cached": cached,
             "workers": len(pool.workers) if pool is not None else 0}
+
+
+def reference(model_spec, src: Path, recipe: dict, digests: list[str], nbytes: list[int]) -> dict:
+    """The manifest's `weights_reference` (runtime/weight_refs.py): the checkpoint (`tiny`, which the runtime
+    writes again, or the directory's absolute path), the size and sha256 of every file the loader read, the
+    recipe, and per rank the digest and bytes of the weights it made."""
+    rels = checkpoint_files(src)
+    shas = sha256_files([src / r for r in rels])
+    return {"checkpoint": "tiny" if str(model_spec) == "tiny" else str(src.resolve()),
+            "files": {r: {"sha256": h, "size": (src / r).stat().st_size} for r, h in zip(rels, shas)},
+            "recipe": recipe, "tensors_sha256": digests, "bytes": nbytes}
 
 
 def summary_text(s: dict) -> str:
@@ -358,7 +384,10 @@ def summary_text(s: dict) -> str:
         what = "reused from the cache" if tag in s["cached"] else \
             f"lowered in {s['compile_s'][tag]} s" if tag in s["compile_s"] else f"{s['timings_s'][tag]} s (onnx)"
         lines.append(f"  {name:<24} {size / 1e6:8.2f} MB  {what}")
-    lines.append(f"  {'weights':<24} {s['weights_bytes'] / 1e6:8.2f} MB")
+    ref = s.get("weights_referenced")
+    lines.append(f"  {'weights':<24} {s['weights_bytes'] / 1e6:8.2f} MB" if not ref else
+                 f"  {'weights':<24} referenced: {ref['files']} files, {ref['bytes'] / 1e6:.2f} MB in "
+                 f"{ref['checkpoint']} (not copied)")
     return "\n".join(lines)
 
 
@@ -371,6 +400,16 @@ def inspect(path: str | Path) -> str:
              f"options: {m['options']}", f"versions: {m['versions']}", f"ops: {m['ops']}"]
     q = m["options"].get("quant", "none")
     lines.insert(2, f"quantization: {SCHEMES[q].describe if q in SCHEMES else q}")
+    ref = m.get("weights_reference")
+    if ref is None:
+        lines.insert(3, f"weights: copied ({m['weights']})")
+    else:
+        root = ref["checkpoint"]
+        lines.insert(3, f"weights: referenced, made at load from checkpoint {root} by {ref['recipe']['recipe']} "
+                        f"(not copied; each file's sha256 verified at load):")
+        for i, (rel, f) in enumerate(sorted(ref["files"].items())):
+            lines.insert(4 + i, f"  {rel if root == 'tiny' else str(Path(root) / rel)}  {f['size']} bytes  "
+                                f"sha256 {f['sha256']}")
     for name, g in m["graphs"].items():
         top = sorted(g["ops"].items(), key=lambda kv: -kv[1])[:6]
         lines.append(f"  {name:<14} nodes={g['node_count']:<6} file={g['file']}  top ops: "

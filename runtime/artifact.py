@@ -4,7 +4,9 @@
                            versions, export options, each graph's signature/bucket/file, the state
                            layout, sha256 of every other file, and a self-hash of the manifest
     graphs/<name>.pt2      AOTInductor packages without weights (or graphs/<name>.onnx)
-    weights.safetensors    the weights, once, bound to every graph at load
+    weights.safetensors    the weights, once, bound to every graph at load; absent when the manifest's
+                           `weights_reference` names the checkpoint files they are made from at load
+                           instead (export --weights reference: runtime/weight_refs.py)
     fixture.safetensors    parity fixture: prompts -> greedy ids + logits recorded from eager
     tokenizer.json, tokenizer_config.json, chat_template.jinja   (when the checkpoint has them)
 
@@ -131,14 +133,15 @@ class Artifact:
     device: torch.device           # as asked (a CUDA device without an index means the current one)
     rank: int = 0
     graphs: dict = dataclasses.field(init=False, repr=False)     # name -> {kind, bucket, inputs, file, ...}
-    weights: str = dataclasses.field(init=False)                   # this rank's weights file, relative to path
+    weights: str | None = dataclasses.field(init=False)            # this rank's weights file, relative to path
+                                                                   # (None: referenced, see weights_reference)
 
     def __post_init__(self):
         m, r = self.manifest, self.rank
         graphs, weights = m["graphs"], m["weights"]
         if self.tp > 1:
             graphs = {n: dict(g, file=g["file"].format(rank=r)) for n, g in graphs.items()}
-            weights = weights.format(rank=r)
+            weights = weights and weights.format(rank=r)
         object.__setattr__(self, "graphs", graphs)
         object.__setattr__(self, "weights", weights)
 
@@ -148,7 +151,11 @@ class Artifact:
         `device` (default: the artifact's) must be usable. Fails closed with ArtifactError."""
         root = Path(path)
         m = _verified(root)
-        return cls(root, m, _usable(m, device))
+        art = cls(root, m, _usable(m, device))
+        if art.weights_reference is not None:          # the checkpoint files the weights are made from
+            from .weight_refs import verify_files
+            verify_files(art.weights_reference)
+        return art
 
     def for_rank(self, rank: int) -> "Artifact":
         """The same artifact as tensor-parallel rank `rank` (its graph files and weight shard)."""
@@ -167,6 +174,12 @@ class Artifact:
         return self.manifest.get("options", {})
 
     @property
+    def weights_reference(self) -> dict | None:
+        """The checkpoint files, recipe and digests the weights are made from at load (runtime/weight_refs.py);
+        None: the artifact holds its weights (`weights`)."""
+        return self.manifest.get("weights_reference")
+
+    @property
     def tp(self) -> int:
         return self.manifest.get("tp", {}).get("size", 1)
 
@@ -175,12 +188,18 @@ class Artifact:
         return self.path / self.manifest["fixture"]
 
     def load_weights(self, device: torch.device | None = None) -> dict[str, torch.Tensor]:
-        """This rank's weights, checked against the manifest's shapes, on `device` (default: self.device)."""
+        """This rank's weights, checked against the manifest's shapes, on `device` (default: self.device).
+        Referenced weights are made from the checkpoint files Artifact.load verified, by the export's recipe."""
         from safetensors.torch import load_file
-        try:
-            w = load_file(str(self.path / self.weights), device=str(device or self.device))
-        except Exception as e:  # safetensors raises its own error types for truncated files
-            raise ArtifactError(f"weights file {self.weights} cannot be read: {e}") from None
+        if self.weights_reference is not None:
+            from .weight_refs import rebuild
+            dev = torch.device(device or self.device)
+            w = {n: t.to(dev) for n, t in rebuild(self.weights_reference, self.rank).items()}
+        else:
+            try:
+                w = load_file(str(self.path / self.weights), device=str(device or self.device))
+            except Exception as e:  # safetensors raises its own error types for truncated files
+                raise ArtifactError(f"weights file {self.weights} cannot be read: {e}") from None
         for name, meta in self.manifest["weight_shapes"].items():
             if name not in w or list(w[name].shape) != meta:
                 raise ArtifactError(f"weight {name}: expected shape {meta}, found "

@@ -24,10 +24,17 @@ TINY_EXPORT = dict(batch_sizes=(1, 2, 4), prefill_chunks=(16,), max_seq_len=256)
 
 
 @pytest.fixture(scope="session")
-def tiny_artifact(tmp_path_factory):
+def aoti_cache(tmp_path_factory):
+    """The session's compiled-graph cache (export/cache.py): a later export of tiny_artifact's graphs (the same
+    model, weights and options, e.g. with --weights reference) reuses them instead of compiling again."""
+    return tmp_path_factory.mktemp("aoti-cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tmp_path_factory, aoti_cache):
     from onegraph.export.pipeline import ExportOptions, export
     out = tmp_path_factory.mktemp("art") / "tiny"
-    export("tiny", out, ExportOptions(**TINY_EXPORT), progress=False)
+    export("tiny", out, ExportOptions(**TINY_EXPORT), progress=False, cache_dir=aoti_cache)
     return out
 
 

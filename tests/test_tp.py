@@ -282,6 +282,17 @@ def _replay_matches_tp1(model, art, nproc: int, timeout: int, sampling=None):
     assert got["fixture"]["max_logit_diff"] <= LOGIT_TOL
 
 
+def test_tp2_weights_made_by_the_recipe_are_the_exported_shards(tp2_artifact):
+    """export --weights reference at tp 2: what the runtime makes for each rank from the checkpoint by the
+    recorded recipe (graphs/recipe.py) is that rank's weights file of a copying export, tensor for tensor."""
+    from safetensors.torch import load_file
+    from onegraph.graphs.recipe import graph_weights, recipe_of, tensors_sha256
+    recipe = recipe_of("float32", "none", False, False, False, 2)          # tp2_artifact's options
+    for r in range(2):
+        want = load_file(str(tp2_artifact / f"weights_rank{r}.safetensors"))
+        assert tensors_sha256(graph_weights("tiny", recipe, r)) == tensors_sha256(want), f"rank {r}"
+
+
 def test_tp2_artifact_replay_matches_tp1(tiny, tp2_artifact):
     _replay_matches_tp1(tiny[1], tp2_artifact, 2, 240)
     _replay_matches_tp1(tiny[1], tp2_artifact, 2, 240, SEEDED)

@@ -9,9 +9,10 @@ packages go to a temporary directory, removed at the end).
     python -m onegraph.tools.bench_lower_set --shape tiny --device cpu --batch-sizes 1,2 --prefill-chunks 16 --out t
 
 Memory: a worker receives each program saved without its weights (export/program.py: the parameters as meta
-tensors) and the weights once, through torch.multiprocessing: CUDA tensors as IPC handles, CPU tensors in
-shared memory, so no worker holds a copy (the JSON records the largest worker's peak RSS). AOTInductor needs
-the real values: it folds constants at compile time, so meta or fake weights would not lower the same graph.
+tensors) and the weights once, through torch.multiprocessing: CUDA tensors as IPC handles (the 35B model's
+69 GB stay in this process's GPU memory), CPU tensors in shared memory, so no worker holds a copy (the JSON
+records the largest worker's peak RSS and the least free GPU memory). The workers bind the real tensors, as
+the exporter's do, so what is timed is the exporter's lowering, whatever Inductor reads of the values.
 
 Splitting: the JSON is rewritten after every graph, so a run killed by a time limit still says which graphs
 were done and when. `--graphs decode_b1,prefill_t256` lowers a subset; `--resume` lowers only the graphs the
