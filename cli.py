@@ -151,15 +151,15 @@ def memory_text(path: Path) -> str:
     dev = torch.device(m["device"]["type"])
     need = memory.needed_bytes(path, m, 0, dev.type)
     lines = [f"memory: {need['state_per_slot']} bytes ({need['state_per_slot'] / memory.MIB:.2f} MiB) of state per "
-             f"slot at max_seq_len {m['max_seq_len']}; weights {memory.gib(need['weights'])}"
+             f"slot at max_seq_len {m['max_seq_len']}; weights {memory.size(need['weights'])}"
              + (" per rank" if m.get("tp", {}).get("size", 1) > 1 else "")
-             + f"; workspace estimate {memory.gib(need['workspace'])}"]
+             + f"; workspace estimate {memory.size(need['workspace'])}"]
     if dev.type == "cuda" and not torch.cuda.is_available():
         lines.append("  no CUDA device here: run inspect on the serving machine for the largest --max-slots")
     else:
         free = memory.free_bytes(dev)
         fit = memory.max_slots_fitting(path, m, free, dev.type)
-        lines.append(f"  {memory.gib(free)} free on {dev.type} here: the largest --max-slots that fits is {fit}")
+        lines.append(f"  {memory.size(free)} free on {dev.type} here: the largest --max-slots that fits is {fit}")
     return "\n".join(lines)
 
 

@@ -90,8 +90,9 @@ def max_slots_fitting(path: Path, manifest: dict, free: int, device_type: str, r
     return max(0, (free - fixed["total"]) // per) if per else 0
 
 
-def gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
+def size(n: int) -> str:
+    """Bytes for a message: GiB from 1 GiB up, else MiB (two decimals)."""
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / MIB:.2f} MiB"
 
 
 def check_fits(path: Path, manifest: dict, max_slots: int, device: torch.device, free: int | None = None,
@@ -103,9 +104,9 @@ def check_fits(path: Path, manifest: dict, max_slots: int, device: torch.device,
     if need["total"] > free:
         fit = max_slots_fitting(path, manifest, free, device.type, rank)
         raise DoesNotFit(
-            f"--max-slots {max_slots} at max_seq_len {manifest['max_seq_len']} needs {gib(need['total'])} on "
-            f"{device.type} (weights {gib(need['weights'])} + {max_slots + 1} x {need['state_per_slot'] / MIB:.2f} "
-            f"MiB state per slot, scratch slot included, + workspace {gib(need['workspace'])}), but "
-            f"{gib(free)} is free: " + (f"at most --max-slots {fit} fits" if fit else
+            f"--max-slots {max_slots} at max_seq_len {manifest['max_seq_len']} needs {size(need['total'])} on "
+            f"{device.type} (weights {size(need['weights'])} + {max_slots + 1} x {need['state_per_slot'] / MIB:.2f} "
+            f"MiB state per slot, scratch slot included, + workspace {size(need['workspace'])}), but "
+            f"{size(free)} is free: " + (f"at most --max-slots {fit} fits" if fit else
                                          "not even one slot fits: export a smaller --max-seq-len or use a larger device"))
     return dict(need, free=free)
