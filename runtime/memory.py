@@ -48,7 +48,8 @@ def workspace_bytes(manifest: dict, device_type: str) -> int:
     logits [V], the MLP's intermediates (gate, up, act: 3 x top_k x I routed, or 3 x I dense) and router
     [E], and 16 hidden-sized buffers;
     on a CPU the reference attention also materialises scores and probabilities [H, rows, Tmax] (the CUDA
-    kernels stream over the cache and keep no such tensor); plus SLACK."""
+    kernels stream over the cache and keep no such tensor); on CUDA each captured decode bucket keeps its
+    own memory pool (runtime/cuda_graphs.py), so each bucket's B rows are counted once more; plus SLACK."""
     cfg, graphs = manifest["model"], manifest["graphs"].values()
     k = manifest.get("speculative_tokens", 0)
     rows = max([g["bucket"] for g in graphs if g["kind"] == "prefill"]
@@ -58,7 +59,8 @@ def workspace_bytes(manifest: dict, device_type: str) -> int:
     per_row = cfg["vocab_size"] + 16 * cfg["hidden_size"] + cfg.get("num_experts", 0) + 3 * ffn // tp
     act = 2 * rows * per_row * 4
     scores = 2 * (cfg["num_heads"] // tp) * rows * manifest["max_seq_len"] * 4 if device_type == "cpu" else 0
-    return act + scores + SLACK
+    pools = sum(2 * g["bucket"] * per_row * 4 for g in graphs if g["kind"] == "decode") if device_type == "cuda" else 0
+    return act + scores + pools + SLACK
 
 
 def needed_bytes(path: Path, manifest: dict, max_slots: int, device_type: str, rank: int = 0) -> dict:
