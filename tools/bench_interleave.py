@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import threading
@@ -101,7 +102,9 @@ def main(argv=None) -> int:
     res = {"command": "python -m onegraph.tools.bench_interleave " + " ".join(sys.argv[1:] if argv is None else argv),
            "artifact": str(Path(args.artifact).resolve()), "path": eng.ex.path, "streams": args.streams,
            "prompt_len": args.prompt_len, "prefill_chunks": eng.ex.prefill_buckets,
-           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "runs": runs}
+           "export_options": eng.artifact.options,
+           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+           "host_load_average_1min": round(os.getloadavg()[0], 2), "runs": runs}     # other processes share a CPU
     text = json.dumps(res, indent=2)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
