@@ -161,19 +161,16 @@ class GraphExecutor:
         self.rank, self.link = art.rank, ranks.link(self, art)
         self.path += f"+tp{art.tp}"
 
-    def _capture(self, runs: dict, copy_in: bool, pdl: bool = True) -> None:
+    def _capture(self, runs: dict, copy_in: bool) -> None:
         """Capture each decode bucket as CUDA graphs. Tensor parallel (copy_in=False): every rank captures
         its buckets in the same order (the warm-up and capture run the graph's NCCL collectives, which
         pair up across ranks), and replays the bytes rank 0 broadcast to a device buffer, so the graphs
-        do not copy a host staging in. pdl: programmatic edges into the kernels the manifest says wait first
-        (runtime/pdl.py; bit-identical results, the launches overlap)."""
+        do not copy a host staging in."""
         from .cuda_graphs import CapturedDecode
-        waits = frozenset(self.manifest.get("lowering", {}).get("pdl_waits", ())) if pdl else frozenset()
         self.captured = {g["bucket"]: CapturedDecode(runs[name].run_with_stream, g["bucket"], self.graph_state[name],
-                                                     self.last_tok, self.scratch, self.device, copy_in=copy_in,
-                                                     pdl_waits=waits)
+                                                     self.last_tok, self.scratch, self.device, copy_in=copy_in)
                          for name, g in self.meta.items() if g["kind"] == "decode"}
-        self.path += "+cudagraphs"                # each bucket's .pdl: its programmatic edges (None: plain)
+        self.path += "+cudagraphs"
 
     @property
     def manifest(self) -> dict:

@@ -264,33 +264,6 @@ def bench_prefill(model, weights, T: int, args, dev) -> dict:
     return r
 
 
-def pdl_compare(graph, cap, state, last_tok, B: int, dev, args, timed, steps: int = 4) -> dict:
-    """The same lowered graph captured again with programmatic edges: `steps` steps of each from one saved
-    state must be bit-identical (ids and logits); then replay ms of the two, alternated three times (min)."""
-    from onegraph.export.aoti import pdl_waits
-    from onegraph.runtime.cuda_graphs import CapturedDecode
-    from onegraph.runtime.executor import Sampling
-    waits = frozenset(pdl_waits(dev, args.kernels))
-    if not waits:
-        return {"error": "no kernel waits for its predecessor here (not Hopper, or reference kernels)"}
-    pdl = CapturedDecode(graph.run_with_stream, B, state, last_tok, B, dev, pdl_waits=waits)
-    rows, pos, samp = list(range(B)), [args.position] * B, [Sampling()] * B
-    saved = [t.clone() for t in state + [last_tok]]
-    outs = []
-    for c in (cap, pdl):
-        for t, s in zip(state + [last_tok], saved):
-            t.copy_(s)
-        outs.append([[x.clone() for x in c.step(rows, [p + i for p in pos], samp)] for i in range(steps)])
-    same = all(torch.equal(a, b) for sa, sb in zip(*outs) for a, b in zip(sa, sb))
-    plain_ms, pdl_ms = [], []
-    for _ in range(3):
-        plain_ms.append(timed(lambda: cap.step(rows, pos, samp), args.steps))
-        pdl_ms.append(timed(lambda: pdl.step(rows, pos, samp), args.steps))
-    return {"edges": pdl.pdl, "bit_identical_steps": steps if same else 0, "bit_identical": same,
-            "replay_ms_plain": round(min(plain_ms), 3), "replay_ms_pdl": round(min(pdl_ms), 3),
-            "saved_us_per_step": round((min(plain_ms) - min(pdl_ms)) * 1e3, 1)}
-
-
 def bench_batch(model, weights, B: int, args, dev, bw: float) -> dict:
     """Lower the decode graph for B rows, capture it, time replay and eager -> one result row."""
     from onegraph.graphs.qwen3_5 import new_state
@@ -336,8 +309,6 @@ def bench_batch(model, weights, B: int, args, dev, bw: float) -> dict:
     rows, pos, samp = list(range(B)), [args.position] * B, [Sampling()] * B
     r["parity_vs_eager"] = step_parity(model, cap, state, last_tok, rows, pos, samp, dev, args.parity_steps)
     replay_ms = timed(lambda: cap.step(rows, pos, samp), args.steps)
-    if capture and args.pdl and model.tp == 1:          # (TP ranks would have to capture and replay it together)
-        r["pdl"] = pdl_compare(graph, cap, state, last_tok, B, dev, args, timed)
     if args.profile and dev.type == "cuda":
         if args.rank == 0:
             r["regions_us_per_step"], r["top_kernels_us_per_step"] = profile_regions(
@@ -407,9 +378,6 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--eager-steps", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="per-region kernel breakdown (torch profiler)")
-    ap.add_argument("--pdl", action="store_true",
-                    help="also capture the graph with programmatic edges (runtime/pdl.py): replay time plain vs "
-                         "PDL side by side, and whether their steps are bit-identical")
     ap.add_argument("--prefill", type=lambda v: [int(x) for x in v.split(",")], default=[],
                     help="comma-separated prompt lengths: TTFT as one prefill graph of that chunk each")
     ap.add_argument("--prefill-reps", type=int, default=3)

@@ -26,7 +26,6 @@ from triton.runtime.jit import JITFunction
 from triton.backends.compiler import GPUTarget
 
 from onegraph.custom_ops import _registry
-from onegraph.custom_ops.triton._common import pdl_kernel_names
 from onegraph.custom_ops.triton import (attention_decode, attention_prefill, causal_conv, fused_moe, fused_moe_fp8,
                                         fused_moe_fp8_prefill, fused_moe_prefill, gdn_decode_step,
                                         gdn_decode_step_norm, gdn_prefill, linear, linear_fp8, linear_w8a8, norms,
@@ -131,7 +130,6 @@ def record_launches(name, args):
 
 def compile_launch(kernel, args, meta, arch: int):
     meta = dict(meta)
-    meta.setdefault("PDL", arch >= 90)          # as _common.launch passes it on such a device (gdc_wait first)
     options = {k: meta.pop(k) for k in ("num_warps", "num_stages") if k in meta}
     names = kernel.arg_names
     positional = [n for n in names if n not in meta]
@@ -182,7 +180,7 @@ def ptxas_usage(ptx: str, arch: int) -> dict:
 
 
 def check(batches=(1, 64), arch: int = 90) -> list[dict]:
-    rows, seen, analysed = [], set(), set()
+    rows, seen = [], set()
     for B in batches:
         for name, args in cases(B):
             for kernel, grid, a, meta in record_launches(name, args):
@@ -197,55 +195,10 @@ def check(batches=(1, 64), arch: int = 90) -> list[dict]:
                     compiled = compile_launch(kernel, a, meta, arch)
                     row["shared_bytes"] = compiled.metadata.shared
                     row.update(ptxas_usage(compiled.asm["ptx"], arch))
-                    if arch >= 90 and not wait_first(compiled.asm["ptx"]):
-                        row["error"] = "PDL: griddepcontrol.wait does not precede every global load/store"
-                    if arch >= 90 and kernel.fn.__name__ not in analysed:
-                        analysed.add(kernel.fn.__name__)
-                        if not analysis_unchanged(kernel, a, meta, arch):
-                            row["error"] = "PDL: torch's mutation analysis of the kernel differs with PDL on"
                 except Exception as e:            # noqa: BLE001  (reported per kernel; the exit status says)
                     row["error"] = f"{type(e).__name__}: {e}"
                 rows.append(row)
-    missing = set(pdl_kernel_names()) - analysed
-    if arch >= 90 and missing:                    # every kernel must be covered by a case
-        rows.append({"op": "-", "B": "-", "kernel": ",".join(sorted(missing)), "grid": [],
-                     "error": "kernels no case launches: their PDL wait was not checked"})
     return rows
-
-
-def wait_first(ptx: str) -> bool:
-    """PDL (custom_ops/triton/_common.py pdl_wait): in the kernel body the wait comes before any global access."""
-    body = ptx[ptx.index(".entry"):]
-    wait = body.find("griddepcontrol.wait")
-    access = [m.start() for m in re.finditer(r"\b(ld|st|atom|red)\.global", body)]
-    return 0 <= wait < min(access, default=len(body))
-
-
-class _Target:
-    """A stand-in for the CUDA driver: torch's TTIR generation only asks it for the target."""
-    def __init__(self, arch: int):
-        self.arch = arch
-
-    def get_current_target(self):
-        return GPUTarget("cuda", self.arch, 32)
-
-
-def analysis_unchanged(kernel, args, meta, arch: int) -> bool:
-    """torch's mutation analysis of a wrapped kernel (what export functionalizes by) sees the same reads and
-    writes with PDL on as off. A side-effecting wait (Triton's gdc_wait) made it give up and treat every
-    argument as mutated: on the H200, wrong outputs and an AOTInductor wrapper that did not build."""
-    from torch._higher_order_ops import triton_kernel_wrap as tkw
-    analyse = getattr(tkw, "identify_mutated_tensors", None) or tkw.identify_accessed_tensors  # torch 2.11 / 2.13
-    names = [n for n in kernel.arg_names if n not in meta and n != "PDL"]
-    kw = dict(zip(names, args), **{k: v for k, v in meta.items() if k not in ("num_warps", "num_stages", "PDL")})
-    kw = {k: torch.empty(v.shape, dtype=v.dtype) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
-    drivers = triton.runtime.driver
-    saved = drivers._active                      # None until first used (no GPU: never usable)
-    drivers.set_active(_Target(arch))
-    try:
-        return repr(analyse(kernel, dict(kw, PDL=False), {})) == repr(analyse(kernel, dict(kw, PDL=True), {}))
-    finally:
-        drivers._active = saved
 
 
 def main(argv=None) -> int:

@@ -15,53 +15,6 @@ def _is_traced(t) -> bool:
     return isinstance(t, torch.Tensor) and torch._subclasses.fake_tensor.is_fake(t)
 
 
-# Programmatic dependent launch (PDL, Hopper and later). Every kernel launched here takes a constexpr PDL and,
-# when it is True, first runs pdl_wait() (griddepcontrol.wait) and adds its result (0) to every tensor
-# argument: no memory access of the kernel can precede the wait, which returns once the predecessor grid has
-# completed and its writes are visible. Launched normally the instruction returns at once (measured free:
-# benchmarks/h200_pdl_toy.json), so the kernels are always compiled with it where the device has it; a
-# captured decode graph then turns the edges into them into programmatic ones (runtime/pdl.py), so each one is
-# launched and scheduled while its predecessor drains. Names of the kernels launched with PDL=True (this process).
-PDL_WAITING: set[str] = set()
-
-
-@triton.jit
-def pdl_wait():
-    """griddepcontrol.wait, -> int32 0 * 16 (the kernels add it to their pointers: 16 keeps their alignment).
-    Declared pure and made a data dependency of every address, rather than Triton's side-effecting gdc_wait:
-    torch's mutation analysis of a wrapped kernel (torch.library.wrap_triton) cannot analyze a side-effecting
-    inline asm and then treats every argument as mutated (measured: wrong outputs, a C++ wrapper that fails to
-    build); a pure asm whose result feeds every pointer is analyzed, and no load or store can move above it."""
-    z = tl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                                  is_pure=True, pack=1)
-    return z * 16
-
-
-def pdl_device(dev: torch.device) -> bool:
-    """Compiled (not interpreted) kernels on a CUDA device of compute capability >= 9: griddepcontrol exists."""
-    return not INTERPRETED and dev.type == "cuda" and torch.version.hip is None and \
-        torch.cuda.get_device_capability(dev)[0] >= 9
-
-
-def pdl_capable(args) -> bool:
-    dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-    return dev is not None and pdl_device(dev)
-
-
-def pdl_kernel_names() -> list[str]:
-    """Every kernel this package launches (launch() refuses one without the PDL parameter): the names a
-    graph compiled on a pdl_device may hold, each waiting for its predecessor first."""
-    import importlib
-    import pkgutil
-    pkg = importlib.import_module(__package__)
-    names = set()
-    for m in pkgutil.iter_modules(pkg.__path__):
-        mod = importlib.import_module(f"{__package__}.{m.name}")
-        names.update(v.fn.__name__ for v in vars(mod).values()
-                     if isinstance(v, triton.runtime.jit.JITFunction) and "PDL" in v.arg_names)
-    return sorted(names)
-
-
 def launch(kernel, grid, *args, **meta) -> None:
     """kernel[grid](*args, **meta) through `wrap_triton`, so tracing (export fake mode, AOTInductor)
     records the kernel instead of running it.
@@ -73,12 +26,6 @@ def launch(kernel, grid, *args, **meta) -> None:
     """
     if any(g == 0 for g in grid):
         return
-    if "PDL" not in kernel.arg_names:
-        raise TypeError(f"{kernel.fn.__name__} declares no `PDL: tl.constexpr = False` parameter: every launched "
-                        f"kernel must (see pdl_capable)")
-    if pdl_capable(args):
-        meta["PDL"] = True
-        PDL_WAITING.add(kernel.fn.__name__)
     k = wrap_triton(kernel)
     if k is kernel and any(_is_traced(a) for a in args):
         return

@@ -23,7 +23,7 @@ from torch.library import triton_op
 
 from .. import _registry
 from ..attention_decode import _validate
-from ._common import launch, next_pow2, pdl_wait, rnd, to_dt
+from ._common import launch, next_pow2, rnd, to_dt
 
 
 @triton.jit
@@ -43,11 +43,7 @@ def _attn_split_kernel(q, k_cache, v_cache, slots, positions, o_part, m_part, l_
                        s_q_b, s_q_h, s_q_d, s_k_s, s_k_h, s_k_t, s_k_d, s_v_s, s_v_h, s_v_t, s_v_d,
                        scale, Tmax,
                        H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr,
-                       BG: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        k_cache, l_part, m_part, o_part = k_cache + _z, l_part + _z, m_part + _z, o_part + _z
-        positions, q, slots, v_cache = positions + _z, q + _z, slots + _z, v_cache + _z
+                       BG: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
     i_b = tl.program_id(0)
     i_kh = tl.program_id(1)
     i_s = tl.program_id(2)
@@ -101,10 +97,7 @@ def _attn_split_kernel(q, k_cache, v_cache, slots, positions, o_part, m_part, l_
 @triton.jit
 def _attn_combine_kernel(o_part, m_part, l_part, gate, out, s_g_b, s_g_h, s_g_d, s_o_b, s_o_h, s_o_d,
                          H: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr,
-                         BS: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        gate, l_part, m_part, o_part, out = gate + _z, l_part + _z, m_part + _z, o_part + _z, out + _z
+                         BS: tl.constexpr, BD: tl.constexpr):
     i_b = tl.program_id(0)
     i_h = tl.program_id(1)
     offs_s = tl.arange(0, BS)

@@ -26,7 +26,7 @@ from torch.library import triton_op
 
 from .. import _registry
 from ..attention_prefill import _validate
-from ._common import launch, next_pow2, pdl_wait, rnd, to_dt
+from ._common import launch, next_pow2, rnd, to_dt
 from .attention_decode import _dot
 
 
@@ -35,10 +35,7 @@ def _prefill_kernel(q, k_cache, v_cache, slot, start_pos, out,
                     s_q_t, s_q_h, s_q_d, s_k_s, s_k_h, s_k_t, s_k_d, s_v_s, s_v_h, s_v_t, s_v_d,
                     s_o_t, s_o_h, s_o_d, scale, T, Tmax,
                     G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
-                    DC: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        k_cache, out, q, slot, start_pos, v_cache = k_cache + _z, out + _z, q + _z, slot + _z, start_pos + _z, v_cache + _z
+                    DC: tl.constexpr, IEEE: tl.constexpr):
     i_m = tl.num_programs(0) - 1 - tl.program_id(0)        # heaviest row block first
     i_kh = tl.program_id(1)
     DT: tl.constexpr = q.dtype.element_ty

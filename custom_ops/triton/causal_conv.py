@@ -24,7 +24,7 @@ from torch.library import triton_op
 from .. import _registry
 from ..causal_conv_prefill import _validate as _validate_prefill
 from ..causal_conv_update import _validate as _validate_update
-from ._common import launch, next_pow2, pdl_wait, rnd, to_dt
+from ._common import launch, next_pow2, rnd, to_dt
 
 
 @triton.jit
@@ -37,12 +37,9 @@ def _silu_out(acc, WDT: tl.constexpr, ODT: tl.constexpr):
 @triton.jit
 def _conv_update_kernel(x, state, slots, w, y, new_state,
                         s_x_b, s_x_c, s_s_s, s_s_c, s_s_k, s_w_c, s_w_k, s_n_b, s_n_c, s_n_k, C,
-                        W: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr, IN_PLACE: tl.constexpr, PDL: tl.constexpr = False):
+                        W: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr, IN_PLACE: tl.constexpr):
     """IN_PLACE: new_state is the state itself and row slots[b] is overwritten (each channel is owned by one
     program; a block barrier keeps every load of the row before any store); else new_state[b]."""
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        new_state, slots, state, w, x, y = new_state + _z, slots + _z, state + _z, w + _z, x + _z, y + _z
     b = tl.program_id(0)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     mc = offs_c < C
@@ -89,11 +86,7 @@ def _seq_at(x, state_row, i, offs_c, m, s_x_t, s_x_c, s_s_c, s_s_k, W: tl.conste
 @triton.jit
 def _conv_prefill_kernel(x, state, slot, n_valid, w, y, new_state,
                          s_x_t, s_x_c, s_s_s, s_s_c, s_s_k, s_w_c, s_w_k, T, C,
-                         W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        n_valid, new_state, slot, state = n_valid + _z, new_state + _z, slot + _z, state + _z
-        w, x, y = w + _z, x + _z, y + _z
+                         W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr):
     offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     mt = offs_t < T

@@ -37,7 +37,7 @@ from torch.library import triton_op
 from .. import _registry
 from ..fused_moe import _validate
 from . import fused_moe_prefill
-from ._common import launch, next_pow2, pdl_wait, rnd, to_dt
+from ._common import launch, next_pow2, rnd, to_dt
 
 
 @triton.jit
@@ -105,11 +105,8 @@ def _route_nth(logits, t, s_l_t, j, E: tl.constexpr, BE: tl.constexpr, K: tl.con
 
 
 @triton.jit
-def _route_kernel(logits, w, idx, s_l_t, E: tl.constexpr, BE: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
+def _route_kernel(logits, w, idx, s_l_t, E: tl.constexpr, BE: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
     """Token t: w[t, :K] (x.dtype), idx[t, :K] = _route_row (the prefill path's routing)."""
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        idx, logits, w = idx + _z, logits + _z, w + _z
     t = tl.program_id(0)
     top_w, top_i = _route_row(logits, t, s_l_t, E, BE, K, BK)
     ks = tl.arange(0, BK)
@@ -153,12 +150,7 @@ def _swiglu_rows(x_row, sx_h, wg, sg_r, sg_h, wu, su_r, su_h, rows, mrow, H: tl.
 def _moe_swiglu_kernel(x, logits, gate_up, sh_gate, sh_up, act, act_sh, route_w, route_i,
                        s_x_t, s_x_h, s_l_t, s_gu_e, s_gu_r, s_gu_h, s_sg_r, s_sg_h, s_su_r, s_su_h,
                        P, H: tl.constexpr, I: tl.constexpr, Is: tl.constexpr, E: tl.constexpr, BE: tl.constexpr,
-                       TOPK: tl.constexpr, BKK: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        act, act_sh, gate_up, logits = act + _z, act_sh + _z, gate_up + _z, logits + _z
-        route_i, route_w, sh_gate, sh_up = route_i + _z, route_w + _z, sh_gate + _z, sh_up + _z
-        x = x + _z
+                       TOPK: tl.constexpr, BKK: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr):
     pid = tl.program_id(0)
     it = tl.program_id(1)
     DT: tl.constexpr = x.dtype.element_ty
@@ -190,11 +182,7 @@ def _moe_swiglu_kernel(x, logits, gate_up, sh_gate, sh_up, act, act_sh, route_w,
 def _moe_down_kernel(logits, down, sh_down, act, act_sh, route_w, route_i, y,
                      s_l_t, s_d_e, s_d_h, s_d_i, s_sd_h, s_sd_i, s_y_t, s_y_h,
                      H: tl.constexpr, I: tl.constexpr, Is: tl.constexpr, E: tl.constexpr, BE: tl.constexpr,
-                     TOPK: tl.constexpr, BKK: tl.constexpr, BH: tl.constexpr, BI: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        act, act_sh, down, logits = act + _z, act_sh + _z, down + _z, logits + _z
-        route_i, route_w, sh_down, y = route_i + _z, route_w + _z, sh_down + _z, y + _z
+                     TOPK: tl.constexpr, BKK: tl.constexpr, BH: tl.constexpr, BI: tl.constexpr):
     t = tl.program_id(0)
     ih = tl.program_id(1)
     DT: tl.constexpr = logits.dtype.element_ty      # x.dtype

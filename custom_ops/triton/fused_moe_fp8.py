@@ -28,7 +28,7 @@ from .. import _registry
 from ..fused_moe_fp8 import _validate
 from ..linear_fp8 import BLOCK
 from . import fused_moe_fp8_prefill
-from ._common import launch, next_pow2, pdl_wait, rnd, to_dt
+from ._common import launch, next_pow2, rnd, to_dt
 from .fused_moe import _route_nth, _route_row, route_triton
 
 
@@ -61,12 +61,7 @@ def _moe_fp8_swiglu_kernel(x, logits, gate_up, gu_s, sh_gate, sg_s, sh_up, su_s,
                            s_su_r, s_su_h, s_sus_r,
                            P, H: tl.constexpr, I: tl.constexpr, Is: tl.constexpr, E: tl.constexpr, BE: tl.constexpr,
                            TOPK: tl.constexpr, BKK: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr,
-                           SB: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        act, act_sh, gate_up, gu_s = act + _z, act_sh + _z, gate_up + _z, gu_s + _z
-        logits, route_i, route_w, sg_s = logits + _z, route_i + _z, route_w + _z, sg_s + _z
-        sh_gate, sh_up, su_s, x = sh_gate + _z, sh_up + _z, su_s + _z, x + _z
+                           SB: tl.constexpr):
     pid = tl.program_id(0)
     it = tl.program_id(1)
     DT: tl.constexpr = x.dtype.element_ty
@@ -101,12 +96,7 @@ def _moe_fp8_down_kernel(logits, down, d_s, sh_down, sd_s, act, act_sh, route_w,
                          s_l_t, s_d_e, s_d_h, s_d_i, s_ds_e, s_ds_h, s_sd_h, s_sd_i, s_sds_h, s_y_t, s_y_h,
                          H: tl.constexpr, I: tl.constexpr, Is: tl.constexpr, E: tl.constexpr, BE: tl.constexpr,
                          TOPK: tl.constexpr, BKK: tl.constexpr, BH: tl.constexpr, BI: tl.constexpr,
-                         SB: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        act, act_sh, d_s, down = act + _z, act_sh + _z, d_s + _z, down + _z
-        logits, route_i, route_w, sd_s = logits + _z, route_i + _z, route_w + _z, sd_s + _z
-        sh_down, y = sh_down + _z, y + _z
+                         SB: tl.constexpr):
     t = tl.program_id(0)
     ih = tl.program_id(1)
     DT: tl.constexpr = logits.dtype.element_ty      # x.dtype

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..linear_fp8 import BLOCK
-from ._common import INTERPRETED, launch, mma, next_pow2, pdl_wait, rnd, to_dt
+from ._common import INTERPRETED, launch, mma, next_pow2, rnd, to_dt
 from .fused_moe_prefill import BH_COMBINE, BK_MAX, BM_MAX, BN_MAX, _block_table, _combine_kernel, _strides3, _tile
 
 
@@ -27,14 +27,9 @@ def _grouped_swiglu_fp8_kernel(x, src, blk_e, blk_row, blk_end, wg, wu, sg, su, 
                                s_x_t, s_x_h, s_g_e, s_g_n, s_g_h, s_u_e, s_u_n, s_u_h,
                                s_sg_e, s_sg_n, s_su_e, s_su_n, u0, ub0,
                                H: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, SB: tl.constexpr,
-                               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False):
+                               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
     """act[r, n-tile] for the sorted rows r of block b; gate rows n of wg[e] (scale block row n // 128 of
     sg[e]), up rows u0 + n of wu[e] (scale block row ub0 + n // 128 of su[e]); scale tables contiguous in H."""
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        act, blk_e, blk_end, blk_row = act + _z, blk_e + _z, blk_end + _z, blk_row + _z
-        sg, src, su, wg = sg + _z, src + _z, su + _z, wg + _z
-        wu, x = wu + _z, x + _z
     b = tl.program_id(0)
     nb = tl.program_id(1)
     DT: tl.constexpr = x.dtype.element_ty
@@ -74,14 +69,9 @@ def _grouped_swiglu_fp8_kernel(x, src, blk_e, blk_row, blk_end, wg, wu, sg, su, 
 def _grouped_down_fp8_kernel(act, src, wts, blk_e, blk_row, blk_end, wd, sd, out,
                              s_d_e, s_d_n, s_d_k, s_sd_e, s_sd_n,
                              K: tl.constexpr, H: tl.constexpr, HAS_W: tl.constexpr, SB: tl.constexpr,
-                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False):
+                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
     """out[src[r], n-tile] = rnd(act[r] . wd[e, n-tile]) (* wts[src[r]], rounded), wd e4m3 with the scales of
     sd[e]'s block row n // 128 (contiguous in K blocks)."""
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        act, blk_e, blk_end, blk_row = act + _z, blk_e + _z, blk_end + _z, blk_row + _z
-        out, sd, src, wd = out + _z, sd + _z, src + _z, wd + _z
-        wts = wts + _z
     b = tl.program_id(0)
     nb = tl.program_id(1)
     DT: tl.constexpr = out.dtype.element_ty          # the rounding dtype: x.dtype, or fp32 (fp32_out)

@@ -33,19 +33,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRETED, launch, mma, next_pow2, pdl_wait, rnd, to_dt
+from ._common import INTERPRETED, launch, mma, next_pow2, rnd, to_dt
 
 
 @triton.jit
 def _grouped_swiglu_kernel(x, src, blk_e, blk_row, blk_end, wg, wu, act,
                            s_x_t, s_x_h, s_g_e, s_g_n, s_g_h, s_u_e, s_u_n, s_u_h, u0,
                            H: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr,
-                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False):
+                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
     """act[r, n-tile] for the sorted rows r of block b; gate rows n of wg[e], up rows u0 + n of wu[e]."""
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        act, blk_e, blk_end, blk_row = act + _z, blk_e + _z, blk_end + _z, blk_row + _z
-        src, wg, wu, x = src + _z, wg + _z, wu + _z, x + _z
     b = tl.program_id(0)
     nb = tl.program_id(1)
     DT: tl.constexpr = x.dtype.element_ty
@@ -82,13 +78,9 @@ def _grouped_swiglu_kernel(x, src, blk_e, blk_row, blk_end, wg, wu, act,
 def _grouped_down_kernel(act, src, wts, blk_e, blk_row, blk_end, wd, out,
                          s_d_e, s_d_n, s_d_k,
                          K: tl.constexpr, H: tl.constexpr, HAS_W: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False):
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
     """out[src[r], n-tile] = rnd(act[r] . wd[e, n-tile]) (* wts[src[r]], rounded) for block b's rows,
     rounded to out's dtype (x.dtype, or fp32 for fp32_out)."""
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        act, blk_e, blk_end, blk_row = act + _z, blk_e + _z, blk_end + _z, blk_row + _z
-        out, src, wd, wts = out + _z, src + _z, wd + _z, wts + _z
     b = tl.program_id(0)
     nb = tl.program_id(1)
     DT: tl.constexpr = out.dtype.element_ty          # the rounding dtype: x.dtype, or fp32 (fp32_out)
@@ -117,10 +109,7 @@ def _grouped_down_kernel(act, src, wts, blk_e, blk_row, blk_end, wd, out,
 
 @triton.jit
 def _combine_kernel(logits, y_pair, y_sh, out, s_l_t, s_o_t, s_o_h,
-                    H: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        logits, out, y_pair, y_sh = logits + _z, out + _z, y_pair + _z, y_sh + _z
+                    H: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, BH: tl.constexpr):
     t = tl.program_id(0)
     hb = tl.program_id(1)
     DT: tl.constexpr = logits.dtype.element_ty      # x.dtype

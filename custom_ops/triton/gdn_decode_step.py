@@ -21,7 +21,7 @@ from torch.library import triton_op
 
 from .. import _registry
 from ..gdn_decode_step import _validate
-from ._common import launch, next_pow2, pdl_wait, rnd, to_dt
+from ._common import launch, next_pow2, rnd, to_dt
 
 
 @triton.jit
@@ -56,15 +56,10 @@ def _gdn_decode_kernel(
         q_scale,
         HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, REP: tl.constexpr,
         W: tl.constexpr, WP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-        CONV_IN: tl.constexpr, REC_IN_PLACE: tl.constexpr, PDL: tl.constexpr = False):
+        CONV_IN: tl.constexpr, REC_IN_PLACE: tl.constexpr):
     """CONV_IN: qkv already holds conv + SiLU's output (causal_conv_update's y) and the conv state is not
     touched; REC_IN_PLACE: new_rec is rec_state and row slots[b] is written (each state element is read and
     written by the one thread that holds it)."""
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        A_log, a, b, conv_state = A_log + _z, a + _z, b + _z, conv_state + _z
-        conv_w, dt_bias, new_conv, new_rec = conv_w + _z, dt_bias + _z, new_conv + _z, new_rec + _z
-        out, qkv, rec_state, slots = out + _z, qkv + _z, rec_state + _z, slots + _z
     i_b = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)

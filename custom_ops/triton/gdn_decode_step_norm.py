@@ -27,7 +27,7 @@ from torch.library import triton_op
 
 from .. import _registry
 from ..gdn_decode_step_norm import _validate
-from ._common import launch, next_pow2, pdl_wait, rnd, to_dt
+from ._common import launch, next_pow2, rnd, to_dt
 
 
 @triton.jit
@@ -71,13 +71,7 @@ def _gdn_decode_norm_kernel(
         q_scale, eps,
         HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, REP: tl.constexpr, RP: tl.constexpr,
         W: tl.constexpr, WP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-        ROUND_MID: tl.constexpr, IN_PLACE: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        A_log, a, b, conv_state = A_log + _z, a + _z, b + _z, conv_state + _z
-        conv_w, dt_bias, new_conv, new_rec = conv_w + _z, dt_bias + _z, new_conv + _z, new_rec + _z
-        norm_w, qkv, rec_state, slots = norm_w + _z, qkv + _z, rec_state + _z, slots + _z
-        y, z = y + _z, z + _z
+        ROUND_MID: tl.constexpr, IN_PLACE: tl.constexpr):
     i_b = tl.program_id(0)
     hk = tl.program_id(1)
     XDT: tl.constexpr = qkv.dtype.element_ty

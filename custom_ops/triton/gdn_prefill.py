@@ -36,7 +36,7 @@ from torch.library import triton_op
 
 from .. import _registry
 from ..gdn_prefill import _validate
-from ._common import launch, next_pow2, pdl_wait, to_dt
+from ._common import launch, next_pow2, to_dt
 
 BT = 64          # chunk length; the WY kernel's 4x4 blocks of BC = 16 rows are written for it
 BC = 16
@@ -104,10 +104,7 @@ def _diag_inv(A, BC: tl.constexpr):
 @triton.jit
 def _wy_kernel(x, g, beta, G, Att, Ai, w, u, s_x_t, s_x_c, s_g_t, s_g_h, s_b_t, s_b_h, q_scale, T,
                HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, REP: tl.constexpr, BK: tl.constexpr,
-               BKT: tl.constexpr, BVF: tl.constexpr, BVT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        Ai, Att, G, beta, g, u, w, x = Ai + _z, Att + _z, G + _z, beta + _z, g + _z, u + _z, w + _z, x + _z
+               BKT: tl.constexpr, BVF: tl.constexpr, BVT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
     Tp = tl.num_programs(0) * BT
@@ -190,13 +187,9 @@ def _wy_kernel(x, g, beta, G, Att, Ai, w, u, s_x_t, s_x_c, s_g_t, s_g_h, s_b_t, 
 def _state_kernel(x, G, w, u, h, rec_state, slot, new_rec, s_x_t, s_x_c,
                   s_rs_s, s_rs_h, s_rs_k, s_rs_v, s_nr_h, s_nr_k, s_nr_v, T,
                   NT: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, REP: tl.constexpr,
-                  HV: tl.constexpr, BKH: tl.constexpr, TWO: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, PDL: tl.constexpr = False):
+                  HV: tl.constexpr, BKH: tl.constexpr, TWO: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr):
     """S [K, BV] is held as two row halves S0, S1 [BKH, BV] (S1 only when TWO, i.e. K > 64): the
     fp32 products then take [BT, 64] operands, which fit the registers without spilling."""
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        G, h, new_rec, rec_state = G + _z, h + _z, new_rec + _z, rec_state + _z
-        slot, u, w, x = slot + _z, u + _z, w + _z, x + _z
     i_h = tl.program_id(0).to(tl.int64)
     i_v = tl.program_id(1)
     Tp = NT * BT
@@ -244,10 +237,7 @@ def _state_kernel(x, G, w, u, h, rec_state, slot, new_rec, s_x_t, s_x_c,
 @triton.jit
 def _out_kernel(x, G, Att, vn, h, out, s_x_t, s_x_c, s_o_t, s_o_h, s_o_v, q_scale, T,
                 HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, REP: tl.constexpr, HV: tl.constexpr,
-                BK: tl.constexpr, BKT: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        Att, G, h, out, vn, x = Att + _z, G + _z, h + _z, out + _z, vn + _z, x + _z
+                BK: tl.constexpr, BKT: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr):
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
     i_v = tl.program_id(2)

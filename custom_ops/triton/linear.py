@@ -22,7 +22,7 @@ from torch.library import triton_op
 
 from .. import _registry
 from ..linear import _validate
-from ._common import INTERPRETED, launch, mma, pdl_wait, rnd, to_dt
+from ._common import INTERPRETED, launch, mma, rnd, to_dt
 
 GEMV_MAX_M = 16
 
@@ -47,7 +47,7 @@ def _h_tile(x, res, off, m2, DT: tl.constexpr):
 @triton.jit
 def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps, K: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
-                 DOT_F32: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr = False):
+                 DOT_F32: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr):
     """y[:M, n-tile] = x[:M] @ w[n-tile].T; x and w contiguous along K.
     NORM (add_rms_norm_linear): the rows multiplied are normed = rms_norm(x + res) * (1 + nw) instead of x.
     Every program makes them in a prologue (x and res are 2-8 KB per row, read from L2) and writes them to
@@ -57,9 +57,6 @@ def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps,
     inside the loop instead kept its L2 loads and the program-0 stores in the loop, which then did not
     pipeline: 8.3 us for the 35B router where add_rms_norm + GEMV took 3.7 (H200).
     KP: the prologue's row tile (M == 1: the whole row, next_pow2(K))."""
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        hout, normed, nw, res, w, x, y = hout + _z, normed + _z, nw + _z, res + _z, w + _z, x + _z, y + _z
     pid = tl.program_id(0)
     DT: tl.constexpr = y.dtype.element_ty
     rn = pid * BN + tl.arange(0, BN)

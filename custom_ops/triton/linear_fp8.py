@@ -28,18 +28,15 @@ from torch.library import triton_op
 
 from .. import _registry
 from ..linear_fp8 import BLOCK, _validate
-from ._common import INTERPRETED, launch, mma, pdl_wait, to_dt
+from ._common import INTERPRETED, launch, mma, to_dt
 
 GEMV_MAX_M = 16
 
 
 @triton.jit
 def _fp8_kernel(x, w, s, y, M, N, s_x_m, s_w_n, s_s_n, s_y_m, K: tl.constexpr, SB: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False):
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr):
     """y[m-tile, n-tile] = x[m-tile] @ (fp32(w) * s)[n-tile].T; x, w contiguous along K; SB = 128."""
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        s, w, x, y = s + _z, w + _z, x + _z, y + _z
     pid_n = tl.program_id(0)
     DT: tl.constexpr = y.dtype.element_ty
     rn = pid_n * BN + tl.arange(0, BN)

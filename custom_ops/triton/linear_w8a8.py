@@ -28,7 +28,7 @@ from torch.library import triton_op
 from .. import _registry
 from ..linear_w8a8_fp8 import _validate as _validate_fp8
 from ..linear_w8a8_int8 import _validate as _validate_int8
-from ._common import launch, pdl_wait, to_dt
+from ._common import launch, to_dt
 
 GEMV_MAX_M = 16
 
@@ -45,10 +45,7 @@ def _rne_e4m3(v):
 
 @triton.jit
 def _quant_rows(x, xq, sx, s_x_m, s_q_m, K: tl.constexpr, BK: tl.constexpr, QMAX: tl.constexpr,
-                INT: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        sx, x, xq = sx + _z, x + _z, xq + _z
+                INT: tl.constexpr):
     m = tl.program_id(0)
     amax = tl.zeros([BK], tl.float32)
     for k0 in range(0, K, BK):
@@ -72,11 +69,8 @@ def _quant_rows(x, xq, sx, s_x_m, s_q_m, K: tl.constexpr, BK: tl.constexpr, QMAX
 
 @triton.jit
 def _w8a8_kernel(xq, w, sx, sw, y, M, N, s_x_m, s_w_n, s_y_m, K: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, INT: tl.constexpr, PDL: tl.constexpr = False):
+                 BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, INT: tl.constexpr):
     """y[m-tile, n-tile] = (xq[m-tile] @ w[n-tile].T) * sx[m] * sw[n]; xq, w contiguous along K."""
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        sw, sx, w, xq, y = sw + _z, sx + _z, w + _z, xq + _z, y + _z
     pid_n = tl.program_id(0)
     DT: tl.constexpr = y.dtype.element_ty
     ACC: tl.constexpr = tl.int32 if INT else tl.float32

@@ -18,15 +18,12 @@ from .. import _registry
 from ..add_rms_norm import _validate as _validate_add
 from ..gated_rms_norm import _validate as _validate_gated
 from ..rms_norm import _validate as _validate_rms
-from ._common import launch, next_pow2, pdl_wait, rnd, to_dt
+from ._common import launch, next_pow2, rnd, to_dt
 
 
 @triton.jit
 def _rms_norm_kernel(x, res, w, y, s_out, sx_r, sx_n, sr_r, sr_n, sy_r, N, eps,
-                     HAS_RES: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        res, s_out, w, x, y = res + _z, s_out + _z, w + _z, x + _z, y + _z
+                     HAS_RES: tl.constexpr, BN: tl.constexpr):
     r = tl.program_id(0)
     offs = tl.arange(0, BN)
     m = offs < N
@@ -43,12 +40,9 @@ def _rms_norm_kernel(x, res, w, y, s_out, sx_r, sx_n, sr_r, sr_n, sy_r, N, eps,
 
 @triton.jit
 def _gated_rms_norm_kernel(x, z, w, y, sx_r, sx_n, sz_r, sz_n, sy_r, N, eps,
-                           ROUND_MID: tl.constexpr, BN: tl.constexpr, ZH: tl.constexpr, PDL: tl.constexpr = False):
+                           ROUND_MID: tl.constexpr, BN: tl.constexpr, ZH: tl.constexpr):
     """Row r of x, y; z's row r is row r // ZH of z at column offset (r % ZH) * N (ZH > 1: z [B, ZH * N]
     holds ZH heads per row, a strided view of a fused projection output that cannot be reshaped in place)."""
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        w, x, y, z = w + _z, x + _z, y + _z, z + _z
     r = tl.program_id(0)
     offs = tl.arange(0, BN)
     m = offs < N

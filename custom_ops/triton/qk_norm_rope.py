@@ -29,7 +29,7 @@ from torch.library import triton_op
 from .. import _registry
 from .._registry import check_shape
 from ..qk_norm_rope import _validate
-from ._common import launch, next_pow2, pdl_wait, rnd, to_dt
+from ._common import launch, next_pow2, rnd, to_dt
 from .norms import _warps
 
 
@@ -38,12 +38,7 @@ def _qk_norm_rope_kernel(q, k, v, wq, wk, positions, inv_freq, q_out, k_dst, v_d
                          s_q_n, s_q_h, s_q_d, s_k_n, s_k_h, s_k_d, s_v_n, s_v_h, s_v_d,
                          s_kd_s, s_kd_h, s_kd_t, s_kd_d, s_vd_s, s_vd_h, s_vd_t, s_vd_d, n_d, eps,
                          HQ: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                         BD: tl.constexpr, WRITE_KV: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        inv_freq, k, k_dst, positions = inv_freq + _z, k + _z, k_dst + _z, positions + _z
-        q, q_out, v, v_dst = q + _z, q_out + _z, v + _z, v_dst + _z
-        w_pos, w_slots, wk, wq = w_pos + _z, w_slots + _z, wk + _z, wq + _z
+                         BD: tl.constexpr, WRITE_KV: tl.constexpr):
     n = tl.program_id(0)
     h = tl.program_id(1)
     DT: tl.constexpr = q.dtype.element_ty

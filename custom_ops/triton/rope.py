@@ -19,15 +19,12 @@ from torch.library import triton_op
 
 from .. import _registry
 from ..rope import _validate
-from ._common import launch, next_pow2, pdl_wait, rnd, to_dt
+from ._common import launch, next_pow2, rnd, to_dt
 
 
 @triton.jit
 def _rope_kernel(x, positions, inv_freq, y, s_x_n, s_x_h, s_x_d, s_y_n, s_y_h, H,
-                 D: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        inv_freq, positions, x, y = inv_freq + _z, positions + _z, x + _z, y + _z
+                 D: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):
     n = tl.program_id(0)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     mh = offs_h < H

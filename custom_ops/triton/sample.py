@@ -39,7 +39,7 @@ from torch.library import triton_op
 
 from .. import _registry
 from ..sample import _validate
-from ._common import launch, next_pow2, pdl_wait
+from ._common import launch, next_pow2
 
 R = 64                 # exact top-R candidates per row (a kept set of up to R tokens needs no extra pass)
 BV = 1024              # vocabulary tile of kernel 1
@@ -124,13 +124,7 @@ def _scaled(logits_row, offs, m, t):
 @triton.jit
 def _scan_kernel(logits, temperature, top_k, top_p, seed, position,
                  g_val, g_idx, w_key, w_s, w_idx, p_max, p_sum, cand, s_l_b, V,
-                 NSPLIT: tl.constexpr, NB: tl.constexpr, BV: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        cand, g_idx, g_val, logits = cand + _z, g_idx + _z, g_val + _z, logits + _z
-        p_max, p_sum, position, seed = p_max + _z, p_sum + _z, position + _z, seed + _z
-        temperature, top_k, top_p, w_idx = temperature + _z, top_k + _z, top_p + _z, w_idx + _z
-        w_key, w_s = w_key + _z, w_s + _z
+                 NSPLIT: tl.constexpr, NB: tl.constexpr, BV: tl.constexpr, R: tl.constexpr):
     b = tl.program_id(0)
     sp = tl.program_id(1)
     row = logits + b.to(tl.int64) * s_l_b
@@ -218,13 +212,7 @@ def _count_above(row, V, t, x, x_id, m_row, BVF: tl.constexpr):
 @triton.jit
 def _pick_kernel(logits, temperature, top_k, top_p, seed, position,
                  g_val, g_idx, w_key, w_s, w_idx, p_max, p_sum, cand, out, s_l_b, V,
-                 NSPLIT: tl.constexpr, R: tl.constexpr, BVF: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:                  # every access below depends on the wait (runtime/pdl.py)
-        _z = pdl_wait()
-        cand, g_idx, g_val, logits = cand + _z, g_idx + _z, g_val + _z, logits + _z
-        out, p_max, p_sum, position = out + _z, p_max + _z, p_sum + _z, position + _z
-        seed, temperature, top_k, top_p = seed + _z, temperature + _z, top_k + _z, top_p + _z
-        w_idx, w_key, w_s = w_idx + _z, w_key + _z, w_s + _z
+                 NSPLIT: tl.constexpr, R: tl.constexpr, BVF: tl.constexpr):
     b = tl.program_id(0)
     offs_s = tl.arange(0, NSPLIT)
     base = b * NSPLIT + offs_s                                # [NSPLIT] this row's partials
