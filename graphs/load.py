@@ -1,8 +1,10 @@
 """load_model: an HF-format directory (or the builtin `tiny`) -> (ModelConfig, Qwen35Model)."""
 from __future__ import annotations
 
+import atexit
 import functools
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -28,10 +30,14 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 @functools.lru_cache(maxsize=1)
+@functools.cache
 def _tiny_dir() -> Path:
-    """The tiny checkpoint, written once per process (deterministic, so sharing it is safe)."""
+    """The tiny checkpoint, written once per process (deterministic, so sharing it is safe) and removed when
+    the process exits (every call used to write, and leave behind, a directory of its own)."""
     from .tiny import write_tiny
-    return write_tiny(Path(tempfile.mkdtemp(prefix="onegraph-tiny-")))
+    path = Path(tempfile.mkdtemp(prefix="onegraph-tiny-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return write_tiny(path)
 
 
 def model_dir(spec: str | Path) -> Path:
