@@ -16,7 +16,6 @@ measured.
 """
 from __future__ import annotations
 
-import json
 import platform
 import sys
 import tempfile
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .bench_common import hf_decode_ms
+from .bench_common import emit, hf_decode_ms
 from .bench_common import sync as _sync
 
 
@@ -211,9 +210,5 @@ def main(args) -> int:
         return 2
     if res is None:                                # a tensor-parallel follower: rank 0 reports
         return 0
-    text = json.dumps(res, indent=2)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    emit(res, args.out)
     return 0

@@ -1,9 +1,10 @@
 """What the bench tools share (bench.py, bench_big.py, bench_big_spec.py, bench_ops.py, bench_pdl.py), so none
-imports another for it: a device sync for timers, a captured graph's replay time, the weight bytes a decode
-step reads, the kernel-name regions of a profiled decode step, transformers' decode time, and a random
+imports another for it: a result printed and written as JSON, a device sync for timers, a captured graph's
+replay time, the weight bytes a decode step reads, the kernel-name regions of a profiled decode step, transformers' decode time, and a random
 model of a known shape (bench_symbolic_batch.py, bench_lower_set.py)."""
 from __future__ import annotations
 
+import json
 import time
 
 import torch
@@ -36,6 +37,16 @@ def bytes_per_step(model, B: int) -> int:
             nbytes = int(nbytes * touched / cfg.num_experts)
         total += nbytes
     return total
+
+
+def emit(res: dict, out: str | None) -> None:
+    """Print a result as indented JSON and, when `out` is given, write the same text there (folders made)."""
+    from pathlib import Path
+    text = json.dumps(res, indent=2)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n")
+    print(text)
 
 
 def sync(device) -> None:

@@ -13,7 +13,6 @@ budget (set between runs, while it is idle).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -22,6 +21,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from .bench_common import emit
 
 
 def pct(xs: list[float]) -> dict:
@@ -105,11 +106,7 @@ def main(argv=None) -> int:
            "export_options": eng.artifact.options,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
            "host_load_average_1min": round(os.getloadavg()[0], 2), "runs": runs}     # other processes share a CPU
-    text = json.dumps(res, indent=2)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    emit(res, args.out)
     return 0
 
 
