@@ -113,3 +113,19 @@ def test_bench_big_round_split():
     assert decode_layers_us(step) == 17 - 4
     with pytest.raises(ValueError, match="lm_head"):
         decode_layers_us(step[:2])
+
+
+def test_bench_interleave_chunked_vs_whole(tiny_artifact, tmp_path):
+    """tools/bench_interleave on the tiny artifact: with the default budget (one 16-token chunk per step) the
+    running streams decode between the 80-token prompt's 5 chunks; with the whole prompt in one step they do
+    not, and the JSON carries both runs' gap percentiles."""
+    import json
+
+    from onegraph.tools.bench_interleave import main
+    out = tmp_path / "interleave.json"
+    assert main(["--artifact", str(tiny_artifact), "--streams", "2", "--prompt-len", "80", "--warmup", "2",
+                 "--out", str(out)]) == 0
+    runs = {r["budget"]: r for r in json.loads(out.read_text())["runs"]}
+    assert runs["chunk"]["prefill_budget"] == 16 and runs["whole"]["prefill_budget"] == 80
+    assert runs["chunk"]["decode_steps_between_chunks"] >= 4 and runs["whole"]["decode_steps_between_chunks"] == 0
+    assert runs["chunk"]["itl_during_prefill_ms"]["n"] > 0 and runs["chunk"]["long_ttft_ms"] > 0
