@@ -82,6 +82,16 @@ def test_bench_big_layers_and_speculative_round_on_cpu(tmp_path):
     assert row["speculative_tokens"] == 1 and row["parity_vs_eager"]["exact"], row["parity_vs_eager"]
     assert row["round_ms"] > 0 and row["round_over_decode_step"] > 0
     assert set(row["ms_per_token_at_acceptance"]) == {"2.0", "2.5", "3.0", "3.4"}
+    # tiny's first 2 layers are GDN: conv [conv_dim, W-1] and recurrent [HV, K, V] fp32 rows, read and written
+    from onegraph.graphs.config import ModelConfig
+    from onegraph.graphs.tiny import TINY_HF_CONFIG
+    c = ModelConfig.from_hf(TINY_HF_CONFIG)
+    assert tuple(c.layer_types[:2]) == ("linear_attention",) * 2
+    conv_dim = 2 * c.linear_k_heads * c.linear_k_dim + c.linear_v_heads * c.linear_v_dim
+    per_layer = 2 * 4 * (conv_dim * (c.conv_kernel - 1) + c.linear_v_heads * c.linear_k_dim * c.linear_v_dim)
+    assert dec["state_bytes_per_step"] == 2 * per_layer
+    if dec["bandwidth_limit_ms"]:
+        assert dec["bandwidth_limit_with_state_ms"] > dec["bandwidth_limit_ms"]
     # the round reads more weights than a decode step (K+1 rows' experts, the head, lm_head K more times)
     assert row["round_weight_bytes"] > dec["weight_bytes_per_step"]
     assert "meaningless" in res["acceptance"]

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from .bench_common import REGIONS, bytes_per_step, hf_decode_ms
+from .bench_common import REGIONS, bytes_per_step, hf_decode_ms, state_bytes_per_step
 from .bench_common import sync as _sync
 
 
@@ -335,10 +335,15 @@ def bench_batch(model, weights, B: int, args, dev, bw: float) -> dict:
     with torch.no_grad():
         eager_ms = timed(lambda: model.decode(*eager_in, *state), args.eager_steps)
     nbytes = bytes_per_step(model, B)
+    sbytes = state_bytes_per_step(model, B, args.position)
     r.update({"replay_ms_per_step": round(replay_ms, 3), "replay_tok_s": round(B / replay_ms * 1e3, 1),
               "eager_ms_per_step": round(eager_ms, 3), "replay_speedup_vs_eager": round(eager_ms / replay_ms, 2),
               "weight_bytes_per_step": nbytes, "bandwidth_limit_ms": round(nbytes / bw * 1e3, 3) if bw else None,
               "fraction_of_bandwidth_limit": round(nbytes / bw * 1e3 / replay_ms, 3) if bw else None,
+              # the limit counted both ways: weights only, and weights + the state the step reads and writes
+              "state_bytes_per_step": sbytes,
+              "bandwidth_limit_with_state_ms": round((nbytes + sbytes) / bw * 1e3, 3) if bw else None,
+              "fraction_of_limit_with_state": round((nbytes + sbytes) / bw * 1e3 / replay_ms, 3) if bw else None,
               "peak_memory_GB": round(torch.cuda.max_memory_allocated() / 1e9, 1) if dev.type == "cuda" else None})
     del cap, graph, state
     if dev.type == "cuda":

@@ -1,6 +1,6 @@
 """What the bench tools share (bench.py, bench_big.py, bench_big_spec.py, bench_ops.py, bench_pdl.py), so none
 imports another for it: a result printed and written as JSON, a device sync for timers, a captured graph's
-replay time, the weight bytes a decode step reads, the kernel-name regions of a profiled decode step, transformers' decode time, and a random
+replay time, the weight and state bytes a decode step moves, the kernel-name regions of a profiled decode step, transformers' decode time, and a random
 model of a known shape (bench_symbolic_batch.py, bench_lower_set.py)."""
 from __future__ import annotations
 
@@ -37,6 +37,20 @@ def bytes_per_step(model, B: int) -> int:
             nbytes = int(nbytes * touched / cfg.num_experts)
         total += nbytes
     return total
+
+
+def state_bytes_per_step(model, B: int, position: int) -> int:
+    """State bytes a decode step of B rows at `position` moves: each GDN layer's conv and recurrent state rows
+    read and written whole, each attention layer's K and V rows read up to the position and one row written."""
+    from onegraph.graphs.qwen3_5 import state_spec
+    dtype = model.embed_tokens.weight.dtype
+    total = 0
+    for t in state_spec(model.cfg, 1, position + 1, dtype, model.tp):     # one slot, position + 1 rows of KV
+        row = t.dtype.itemsize
+        for n in t.shape[1:]:
+            row *= n
+        total += row if t.name.endswith("_cache") else 2 * row
+    return B * total
 
 
 def emit(res: dict, out: str | None) -> None:
