@@ -160,6 +160,9 @@ def memory_text(path: Path) -> str:
         free = memory.free_bytes(dev)
         fit = memory.max_slots_fitting(path, m, free, dev.type)
         lines.append(f"  {memory.size(free)} free on {dev.type} here: the largest --max-slots that fits is {fit}")
+        ctx = {n: memory.max_seq_len_fitting(path, m, free, dev.type, n) for n in (1, 4, 16, 64)}
+        lines.append("  the largest --max-seq-len an export could take here, by --max-slots: "
+                     + ", ".join(f"{n}: {t}" for n, t in ctx.items()))
     return "\n".join(lines)
 
 

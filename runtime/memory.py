@@ -92,6 +92,21 @@ def max_slots_fitting(path: Path, manifest: dict, free: int, device_type: str, r
     return max(0, (free - fixed["total"]) // per) if per else 0
 
 
+def max_seq_len_fitting(path: Path, manifest: dict, free: int, device_type: str, max_slots: int,
+                        rank: int = 0) -> int:
+    """The largest --max-seq-len an export of this model could take for `max_slots` slots in `free` bytes (0:
+    none): the KV caches ([S, KVH, Tmax, D] tensors, named *_cache) grow with it, the GDN state does not. The
+    workspace is this artifact's (on a CPU its attention scores grow with Tmax too: there, an estimate); capped
+    at the model's max_position_embeddings."""
+    per_token = sum(math.prod(t["shape"][1:]) * torch_dtype(t["dtype"]).itemsize
+                    for t in manifest["state"] if t["name"].endswith("_cache")) // manifest["max_seq_len"]
+    fixed = state_bytes_per_slot(manifest["state"]) - per_token * manifest["max_seq_len"]
+    base = needed_bytes(path, manifest, 0, device_type, rank)
+    room = (free - base["weights"] - base["workspace"]) // (max_slots + 1) - fixed
+    cap = manifest["model"].get("max_position_embeddings", 1 << 30)
+    return max(0, min(cap, room // per_token if per_token else cap))
+
+
 def size(n: int) -> str:
     """Bytes for a message: GiB from 1 GiB up, else MiB (two decimals)."""
     return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / MIB:.2f} MiB"

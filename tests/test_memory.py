@@ -62,6 +62,8 @@ def test_inspect_states_bytes_per_slot_and_the_largest_slot_count(tiny_artifact,
     assert f"memory: {per} bytes" in out and "at max_seq_len 256" in out
     n = int(out.split("the largest --max-slots that fits is ")[1].split()[0])
     assert n > 0
+    ctx = dict(kv.split(": ") for kv in out.split("by --max-slots: ")[1].splitlines()[0].split(", "))
+    assert list(ctx) == ["1", "4", "16", "64"] and int(ctx["1"]) >= int(ctx["64"]) > 0
 
 
 def test_long_context_state_is_linear_in_max_seq_len(tiny_eager):
@@ -76,3 +78,25 @@ def test_long_context_state_is_linear_in_max_seq_len(tiny_eager):
     per = {t: memory.state_bytes_per_slot(state_manifest(tiny_eager, t, torch.float32)) for t in (256, 131072)}
     attn = sum(k == "full_attention" for k in cfg.layer_types)
     assert per[131072] - per[256] == (131072 - 256) * attn * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+
+
+def test_largest_max_seq_len_for_a_slot_count_is_the_boundary(art):
+    """inspect's longest context per slot count: a manifest exported at that max_seq_len fits the free bytes
+    (by the refusal's own sizing), one token more does not; the GDN state does not grow with it."""
+    import copy
+
+    def at(T):                                       # the artifact's manifest as exported at max_seq_len T
+        m = copy.deepcopy(art.manifest)
+        for t in m["state"]:
+            if t["name"].endswith("_cache"):
+                t["shape"][2] = T
+        m["max_seq_len"] = T
+        return m
+    for slots, free in ((16, 10**9), (64, 10**9), (64, 2 * 10**9 + 777)):    # above the 256 MiB slack
+        T = memory.max_seq_len_fitting(art.path, art.manifest, free, "cuda", slots)
+        assert 256 < T < art.manifest["model"]["max_position_embeddings"]
+        assert memory.needed_bytes(art.path, at(T), slots, "cuda")["total"] <= free
+        assert memory.needed_bytes(art.path, at(T + 1), slots, "cuda")["total"] > free
+    assert memory.max_seq_len_fitting(art.path, art.manifest, 1000, "cuda", 1) == 0
+    cap = art.manifest["model"]["max_position_embeddings"]        # the model's own limit caps it
+    assert memory.max_seq_len_fitting(art.path, art.manifest, 10**11, "cuda", 1) == cap
