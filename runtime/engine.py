@@ -134,12 +134,13 @@ class Engine:
                              f"to decode speculatively")
         ex = GraphExecutor.from_artifact(art, max_slots=max_slots, check_parity=check_parity,
                                          cuda_graphs=cuda_graphs, free_memory=free_memory)
+        eng = cls(ex, max_queue, speculation, prefill_budget)
         log.info("onegraph engine: %s, %d slots, decode buckets %s, prefill chunks %s, prefill budget %s tokens "
                  "per step, speculative tokens %s", ex.path, max_slots, ex.decode_buckets, ex.prefill_buckets,
-                 prefill_budget or ex.prefill_buckets[-1], ex.speculative_tokens if speculation is not False else "off")
+                 eng.prefill_budget, ex.speculative_tokens if speculation is not False else "off")
         if ex.fixture_report is not None:
             log.info("onegraph parity fixture: %s", ex.fixture_report)
-        return cls(ex, max_queue, speculation, prefill_budget)
+        return eng
 
     @property
     def artifact(self) -> Artifact | None:

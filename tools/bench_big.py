@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from .bench_common import REGIONS, bytes_per_step, hf_decode_ms, state_bytes_per_step
+from .bench_common import REGIONS, bytes_per_step, hf_decode_ms, shape_config, state_bytes_per_step
 from .bench_common import sync as _sync
 
 
@@ -421,17 +421,13 @@ def main(argv=None) -> int:
     from onegraph.graphs.config import ModelConfig
     from onegraph.graphs.fuse import fuse_projections
     from onegraph.graphs.load import shard_model
-    from onegraph.graphs.tiny import QWEN35_35B_A3B_HF_CONFIG, TINY_HF_CONFIG, random_model
+    from onegraph.graphs.tiny import random_model
     from onegraph.runtime.ranks import init_from_torchrun, leave, native
-    hf = dict(QWEN35_35B_A3B_HF_CONFIG if args.shape == "qwen3.5-35b-a3b" else TINY_HF_CONFIG)
-    args.layers_full = hf["num_hidden_layers"]
-    if not 0 <= args.layers <= args.layers_full:
-        print(f"bench_big: --layers must be in 1..{args.layers_full}, got {args.layers}", file=sys.stderr)
+    try:
+        hf, args.layers_full = shape_config(args.shape, args.layers)   # --layers: the first N of the same pattern
+    except ValueError as e:
+        print(f"bench_big: {e}", file=sys.stderr)
         return 2
-    if args.layers:                                    # the first N layers of the same pattern
-        hf["num_hidden_layers"] = args.layers
-        if "layer_types" in hf:
-            hf["layer_types"] = hf["layer_types"][:args.layers]
     args.rank, tp = init_from_torchrun(args.device)    # (0, 1) unless launched by torchrun
     if tp > 1 and args.speculative_tokens:
         print("bench_big: --speculative-tokens runs at tp 1 (the MTP head is not sharded)", file=sys.stderr)

@@ -100,16 +100,14 @@ def hf_decode_ms(model, B: int, steps: int, device, prompt_len: int = 3) -> floa
     return (time.perf_counter() - t) / steps * 1e3
 
 
-SHAPES = {"35b": "QWEN35_35B_A3B_HF_CONFIG", "tiny": "TINY_HF_CONFIG"}     # --shape -> graphs/tiny.py config
+# --shape -> graphs/tiny.py config (bench_big names the 35B shape in full)
+SHAPES = {"35b": "QWEN35_35B_A3B_HF_CONFIG", "qwen3.5-35b-a3b": "QWEN35_35B_A3B_HF_CONFIG", "tiny": "TINY_HF_CONFIG"}
 
 
-def random_shape_model(shape: str, layers: int, dtype: torch.dtype, device):
-    """A seeded random model of a known shape (35b: Qwen3.5-35B-A3B, 69 GB in bf16; tiny), its projections
-    fused as export fuses them -> (model, layers_full). layers > 0 keeps the first `layers` decoder layers
-    (the config's layer pattern; 4 = one 3 GDN + 1 attention unit of the 35B model)."""
+def shape_config(shape: str, layers: int) -> tuple[dict, int]:
+    """A known shape's HF config -> (config, its full layer count). layers > 0 keeps the first `layers` decoder
+    layers (the config's layer pattern; 4 = one 3 GDN + 1 attention unit of the 35B model); ValueError else."""
     from onegraph.graphs import tiny
-    from onegraph.graphs.config import ModelConfig
-    from onegraph.graphs.fuse import fuse_projections
     hf = dict(getattr(tiny, SHAPES[shape]))
     full = hf["num_hidden_layers"]
     if not 0 <= layers <= full:
@@ -118,5 +116,15 @@ def random_shape_model(shape: str, layers: int, dtype: torch.dtype, device):
         hf["num_hidden_layers"] = layers
         if "layer_types" in hf:
             hf["layer_types"] = hf["layer_types"][:layers]
+    return hf, full
+
+
+def random_shape_model(shape: str, layers: int, dtype: torch.dtype, device):
+    """A seeded random model of a known shape (35b: Qwen3.5-35B-A3B, 69 GB in bf16; tiny), its projections
+    fused as export fuses them -> (model, layers_full); layers: see shape_config."""
+    from onegraph.graphs import tiny
+    from onegraph.graphs.config import ModelConfig
+    from onegraph.graphs.fuse import fuse_projections
+    hf, full = shape_config(shape, layers)
     model = tiny.random_model(ModelConfig.from_hf(hf), dtype, device)
     return fuse_projections(model), full
