@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -135,6 +136,12 @@ class Artifact:
     graphs: dict = dataclasses.field(init=False, repr=False)     # name -> {kind, bucket, inputs, file, ...}
     weights: str | None = dataclasses.field(init=False)            # this rank's weights file, relative to path
                                                                    # (None: referenced, see weights_reference)
+    # the referenced checkpoint files' sha256 were checked by load (False: load_weights checks them, in the
+    # pass that reads them: Artifact.load(defer_sha256=True))
+    checkpoint_hashed: bool = dataclasses.field(default=False, compare=False)
+    # wall seconds of load's stages: artifact_files (manifest, sha256 of every artifact file), checkpoint_files
+    # (the referenced checkpoint's files: present, sizes, list, and their sha256 unless deferred)
+    load_timings_s: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
         m, r = self.manifest, self.rank
@@ -146,15 +153,24 @@ class Artifact:
         object.__setattr__(self, "weights", weights)
 
     @classmethod
-    def load(cls, path: str | Path, device: str | torch.device | None = None) -> "Artifact":
+    def load(cls, path: str | Path, device: str | torch.device | None = None,
+             defer_sha256: bool = False) -> "Artifact":
         """Read and verify an artifact directory (format, hashes of every file, torch and op versions);
-        `device` (default: the artifact's) must be usable. Fails closed with ArtifactError."""
+        `device` (default: the artifact's) must be usable. Fails closed with ArtifactError. Referenced
+        weights: their checkpoint files are checked too; defer_sha256 (for a caller that makes the weights
+        next) checks their presence and sizes here and leaves their sha256 to load_weights, which hashes
+        them while it reads them (runtime/weight_refs.py)."""
+        t0 = time.perf_counter()
         root = Path(path)
         m = _verified(root)
         art = cls(root, m, _usable(m, device))
+        art.load_timings_s["artifact_files"] = time.perf_counter() - t0
         if art.weights_reference is not None:          # the checkpoint files the weights are made from
-            from .weight_refs import verify_files
-            verify_files(art.weights_reference)
+            from .weight_refs import check_files, verify_files
+            t1 = time.perf_counter()
+            (check_files if defer_sha256 else verify_files)(art.weights_reference)
+            object.__setattr__(art, "checkpoint_hashed", not defer_sha256)
+            art.load_timings_s["checkpoint_files"] = time.perf_counter() - t1
         return art
 
     def for_rank(self, rank: int) -> "Artifact":
@@ -187,19 +203,28 @@ class Artifact:
     def fixture(self) -> Path:
         return self.path / self.manifest["fixture"]
 
-    def load_weights(self, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    def load_weights(self, device: torch.device | None = None, timings: dict | None = None) -> dict[str, torch.Tensor]:
         """This rank's weights, checked against the manifest's shapes, on `device` (default: self.device).
-        Referenced weights are made from the checkpoint files Artifact.load verified, by the export's recipe."""
+        Referenced weights are made from the checkpoint files by the export's recipe (and those files'
+        sha256 checked as they are read, unless Artifact.load did). `timings` (optional) gets the wall
+        seconds of the stages: weights_read (a weights file), or runtime/weight_refs.py rebuild's and
+        weights_to_device (referenced)."""
         from safetensors.torch import load_file
+        t = timings if timings is not None else {}
         if self.weights_reference is not None:
             from .weight_refs import rebuild
             dev = torch.device(device or self.device)
-            w = {n: t.to(dev) for n, t in rebuild(self.weights_reference, self.rank).items()}
+            made = rebuild(self.weights_reference, self.rank, self.checkpoint_hashed, t)
+            t0 = time.perf_counter()
+            w = {n: v.to(dev) for n, v in made.items()}
+            t["weights_to_device"] = time.perf_counter() - t0
         else:
+            t0 = time.perf_counter()
             try:
                 w = load_file(str(self.path / self.weights), device=str(device or self.device))
             except Exception as e:  # safetensors raises its own error types for truncated files
                 raise ArtifactError(f"weights file {self.weights} cannot be read: {e}") from None
+            t["weights_read"] = time.perf_counter() - t0
         for name, meta in self.manifest["weight_shapes"].items():
             if name not in w or list(w[name].shape) != meta:
                 raise ArtifactError(f"weight {name}: expected shape {meta}, found "

@@ -128,7 +128,7 @@ class Engine:
         Artifact already loaded (on its own device). prefill_budget: see Engine. A max_slots that does not
         fit in the device's free memory (or `free_memory` bytes) is refused with a ValueError naming the
         memory needed and free (GraphExecutor.from_artifact)."""
-        art = path if isinstance(path, Artifact) else Artifact.load(path, device)
+        art = path if isinstance(path, Artifact) else Artifact.load(path, device, defer_sha256=True)
         if speculation and not art.speculative_tokens:     # refused before any graph loads
             raise ValueError(f"{art.path} has no draft / verify graphs: export it with --speculative-tokens K "
                              f"to decode speculatively")
@@ -138,6 +138,7 @@ class Engine:
         log.info("onegraph engine: %s, %d slots, decode buckets %s, prefill chunks %s, prefill budget %s tokens "
                  "per step, speculative tokens %s", ex.path, max_slots, ex.decode_buckets, ex.prefill_buckets,
                  eng.prefill_budget, ex.speculative_tokens if speculation is not False else "off")
+        log.info("onegraph load (wall s): %s", ", ".join(f"{k} {v:.2f}" for k, v in ex.load_timings_s.items()))
         if ex.fixture_report is not None:
             log.info("onegraph parity fixture: %s", ex.fixture_report)
         return eng

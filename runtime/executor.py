@@ -53,6 +53,7 @@ class AotiGraph:
 
     def __init__(self, path: Path, weights: dict[str, torch.Tensor], device: torch.device, loader_cls=None):
         from torch._inductor import aoti_load_package
+        t0 = time.perf_counter()
         index = -1 if device.index is None else device.index
         try:
             if loader_cls is None:
@@ -66,7 +67,9 @@ class AotiGraph:
         missing = [f for f in fqns if f not in weights]
         if missing:
             raise ArtifactError(f"graph {path.name} needs weights missing from the artifact: {missing[:3]}")
+        t1 = time.perf_counter()
         self.loader.load_constants({f: weights[f] for f in fqns}, False, True, True)   # active, full, user-managed
+        self.load_s, self.bind_s = t1 - t0, time.perf_counter() - t1     # wall seconds: package load, weights bound
         self.run = self.loader.run                 # list[Tensor] -> list[Tensor], no pytree overhead
         self.run_with_stream = self.loader.run     # (inputs, stream capsule): for CUDA-graph capture
 
@@ -95,6 +98,7 @@ class GraphExecutor:
         self.path = "eager"                        # reported at start-up and in stats()
         self.artifact: Artifact | None = None      # what from_artifact loaded (None: the eager backend)
         self.fixture_report: dict | None = None    # the load-time parity check's report, when it ran
+        self.load_timings_s: dict = {}             # from_artifact's stages -> wall seconds (see there)
         self.decode_buckets = sorted(g["bucket"] for g in graph_meta.values() if g["kind"] == "decode")
         self.prefill_buckets = sorted(g["bucket"] for g in graph_meta.values() if g["kind"] == "prefill")
         if not self.decode_buckets or not self.prefill_buckets:
@@ -109,10 +113,27 @@ class GraphExecutor:
         which case `device` is its own); the parity fixture is replayed unless check_parity=False.
         On CUDA, each decode bucket is captured as a CUDA graph unless cuda_graphs=False. A max_slots whose
         weights + state + workspace exceed the device's free memory (or `free_memory` bytes, when given) is
-        refused before anything is allocated (runtime/memory.py, ValueError naming both)."""
+        refused before anything is allocated (runtime/memory.py, ValueError naming both).
+
+        `load_timings_s` of the executor: wall seconds per stage, in order: Artifact.load's (artifact_files,
+        checkpoint_files: runtime/artifact.py), check_fits, the weights' (weights_read, or weights_make,
+        sha256_wait, weights_digest, weights_to_device: Artifact.load_weights), graph_packages and
+        graph_bind (AOTInductor packages loaded, weights bound; graphs: the onnx backend's whole load),
+        state, capture (CUDA graphs), link (tensor parallel), fixture. checkpoint_sha256_overlapped is
+        the checkpoint hashing that ran during weights_make, not a stage of its own."""
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
-        art = artifact if isinstance(artifact, Artifact) else Artifact.load(artifact, device)
+        # given a path, the checkpoint files a referencing artifact names are hashed as its weights are made
+        art = artifact if isinstance(artifact, Artifact) else Artifact.load(artifact, device, defer_sha256=True)
+        timings = dict(art.load_timings_s)
+        t = time.perf_counter()
+
+        def stage(name: str) -> None:          # the wall seconds since the previous stage ended
+            nonlocal t
+            if dev.type == "cuda":             # the stage's kernels and copies count in it
+                torch.cuda.synchronize(dev)
+            now = time.perf_counter()
+            timings[name], t = now - t, now
         dev = art.device
         if dev.type == "cuda" and dev.index is None:
             # an explicit index: the package loader given none (-1) ran rank 1's TP graphs against cuda:0
@@ -123,15 +144,20 @@ class GraphExecutor:
             art = art.for_rank(artifact_rank(art))
         from .memory import check_fits
         check_fits(art.path, art.manifest, max_slots, dev, free_memory, art.rank)
-        graphs, loaded = cls._load_graphs(art, dev)
+        stage("check_fits")
+        graphs, loaded = cls._load_graphs(art, dev, timings)
+        t = time.perf_counter()
         ex = cls(graphs, art.graphs, art.state, max_slots, art.max_seq_len, art.model["vocab_size"], dev)
-        ex.artifact = art
+        ex.artifact, ex.load_timings_s = art, timings
         ex.path = "aoti-cpu" if dev.type == "cpu" else f"{art.backend}-{dev.type}"
+        stage("state")
         if cuda_graphs and dev.type == "cuda" and loaded:
             ex._capture(loaded, copy_in=art.tp == 1)
+            stage("capture")
         if art.tp > 1:
             ex._link(art)
             check_parity = check_parity and ex.rank == 0   # rank 0 checks while the others follow()
+            stage("link")
         if check_parity:
             from .fixture import check_fixture
             try:
@@ -139,20 +165,27 @@ class GraphExecutor:
             except Exception:
                 ex.stop_followers()            # tensor parallel: release them now, not at the collective timeout
                 raise
+            stage("fixture")
         return ex
 
     @staticmethod
-    def _load_graphs(art: Artifact, dev: torch.device) -> tuple[dict, dict]:
-        """-> (name -> run(inputs), name -> AotiGraph: the AOTInductor graphs, which CUDA graphs capture)."""
+    def _load_graphs(art: Artifact, dev: torch.device, timings: dict) -> tuple[dict, dict]:
+        """-> (name -> run(inputs), name -> AotiGraph: the AOTInductor graphs, which CUDA graphs capture);
+        adds the wall seconds of its stages to `timings` (from_artifact's)."""
         if art.backend != "aoti":
             from .onnx_graph import onnx_graphs   # the onnxruntime backend
-            return onnx_graphs(art), {}
-        weights = art.load_weights(dev)
+            t0 = time.perf_counter()
+            graphs = onnx_graphs(art)
+            timings["graphs"] = time.perf_counter() - t0
+            return graphs, {}
+        weights = art.load_weights(dev, timings)
         loader_cls = None
         if art.tp > 1:                             # graphs that wait on collectives must not hold the GIL
             from .ranks import native
             loader_cls = native().Loader
         loaded = {name: AotiGraph(art.path / g["file"], weights, dev, loader_cls) for name, g in art.graphs.items()}
+        timings["graph_packages"] = sum(g.load_s for g in loaded.values())
+        timings["graph_bind"] = sum(g.bind_s for g in loaded.values())
         return {name: g.run for name, g in loaded.items()}, loaded
 
     def _link(self, art: Artifact) -> None:

@@ -221,7 +221,7 @@ def lead_or_follow(path, max_slots: int, device: str | None = None, cuda_graphs:
     too) and replay rank 0's steps until it stops -> None (FollowerError if it vanishes). -> the
     Artifact on rank 0 and outside torchrun: the caller runs the engine on it."""
     from .artifact import Artifact
-    art = Artifact.load(path, device)
+    art = Artifact.load(path, device, defer_sha256=True)     # every caller makes the weights next
     if not launched_by_torchrun():
         return art
     rank, _ = init_from_torchrun(art.device.type, timeout_s)

@@ -57,6 +57,10 @@ def test_artifact_loads_and_fixture_passes(executor, tiny_onnx):
     assert sorted(m["graphs"]) == ["decode_b1", "decode_b2", "prefill_t16"]
     assert executor.fixture_report["prompts"] == 3
     assert executor.fixture_report["max_logit_diff"] <= LOGIT_TOL
+    # the load's stages (wall seconds): onnxruntime's sessions and their weights are one stage, graphs
+    t = executor.load_timings_s
+    assert t.keys() == {"artifact_files", "check_fits", "graphs", "state", "fixture"}
+    assert all(v >= 0 for v in t.values()) and t["graphs"] > 0
     assert sorted(p.suffix for p in (tiny_onnx / "graphs").iterdir()) == [".onnx"] * 3
     # weights live once in weights.safetensors: each graph file is far smaller than the weights
     wbytes = (tiny_onnx / "weights.safetensors").stat().st_size

@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from onegraph.export.pipeline import ExportOptions, export, inspect, reference
@@ -46,10 +47,17 @@ def test_builtin_tiny_reference_is_made_again_and_checked(tiny_artifact):
     ref = reference("tiny", model_dir("tiny"), TINY_RECIPE, [tensors_sha256(copy)], [0])
     assert ref["checkpoint"] == "tiny"
     verify_files(ref)
-    w = rebuild(ref, 0)
+    timings = {}
+    w = rebuild(ref, 0, timings=timings)               # the files hashed while the recipe reads them
     assert w.keys() == copy.keys() and all(torch.equal(w[n], copy[n]) for n in w)
-    with pytest.raises(ArtifactError, match="differ from the exported ones"):
-        rebuild(dict(ref, tensors_sha256=["0" * 64]), 0)
+    assert timings.keys() == {"weights_make", "sha256_wait", "checkpoint_sha256_overlapped", "weights_digest"}
+    assert all(v >= 0 for v in timings.values()) and timings["checkpoint_sha256_overlapped"] > 0
+    timings = {}
+    w = rebuild(ref, 0, files_verified=True, timings=timings)     # Artifact.load hashed them already
+    assert all(torch.equal(w[n], copy[n]) for n in w) and timings.keys() == {"weights_make", "weights_digest"}
+    for verified in (False, True):
+        with pytest.raises(ArtifactError, match="differ from the exported ones"):
+            rebuild(dict(ref, tensors_sha256=["0" * 64]), 0, files_verified=verified)
 
 
 def test_reference_artifact_generates_what_the_copy_generates(tiny_artifact, ref_artifact, ref_checkpoint):
@@ -72,6 +80,15 @@ def test_reference_artifact_generates_what_the_copy_generates(tiny_artifact, ref
     assert "weights: copied (weights.safetensors)" in inspect(tiny_artifact)
     a = GraphExecutor.from_artifact(out, max_slots=1)                    # the load-time fixture passes too
     b = GraphExecutor.from_artifact(tiny_artifact, max_slots=1)
+    # given a path, the checkpoint files are hashed while the weights are made; each stage's wall seconds
+    assert not a.artifact.checkpoint_hashed
+    stages = ["artifact_files", "check_fits", "graph_packages", "graph_bind", "state", "fixture"]
+    assert set(stages + ["checkpoint_files", "weights_make", "sha256_wait", "weights_digest", "weights_to_device",
+                         "checkpoint_sha256_overlapped"]) == a.load_timings_s.keys()
+    assert set(stages + ["weights_read"]) == b.load_timings_s.keys()
+    for t in (a.load_timings_s, b.load_timings_s):
+        assert all(isinstance(v, float) and v >= 0 for v in t.values()), t
+        assert t["graph_packages"] > 0 and t["fixture"] > 0
     for prompt in ([1, 2, 3], list(range(40, 60))):
         ids_a, lg_a = a.generate(prompt, 24)
         ids_b, lg_b = b.generate(prompt, 24)
@@ -81,19 +98,43 @@ def test_reference_artifact_generates_what_the_copy_generates(tiny_artifact, ref
         assert max((x - y).abs().max().item() for x, y in zip(lg_a, lg_b)) <= 1e-5
 
 
+def test_engine_logs_the_load_stages(ref_artifact, caplog):
+    from onegraph.runtime import Engine
+    with caplog.at_level("INFO", logger="onegraph.runtime"):
+        eng = Engine.from_artifact(ref_artifact[0], max_slots=1, check_parity=False)
+    eng.close()
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("onegraph load (wall s): "))
+    got = dict(kv.rsplit(" ", 1) for kv in line.removeprefix("onegraph load (wall s): ").split(", "))
+    assert got.keys() == eng.ex.load_timings_s.keys() and "fixture" not in got
+    assert {"artifact_files", "checkpoint_files", "weights_make", "sha256_wait", "graph_packages"} <= got.keys()
+    assert all(float(v) >= 0 for v in got.values())
+
+
 def test_modified_referenced_file_is_refused(ref_artifact, ref_checkpoint):
     f = ref_checkpoint / "model.safetensors"
-    want = sha256_file(f)
-    data = bytearray(f.read_bytes())
+    want, orig = sha256_file(f), f.read_bytes()
+    refused = rf"referenced checkpoint file {f}: sha256 [0-9a-f]{{64}}, the manifest expects {want}"
+    data = bytearray(orig)
     data[len(data) // 2] ^= 0x01                         # one byte of weight data, the size unchanged
     try:
         f.write_bytes(bytes(data))
-        with pytest.raises(ArtifactError, match=rf"referenced checkpoint file {f}: sha256 [0-9a-f]{{64}}, the "
-                                                rf"manifest expects {want}"):
+        with pytest.raises(ArtifactError, match=refused):
             Artifact.load(ref_artifact[0])
+        # hashed as the weights are made: the same refusal, before any weights reach a graph
+        art = Artifact.load(ref_artifact[0], defer_sha256=True)
+        with pytest.raises(ArtifactError, match=refused):
+            art.load_weights()
+        with pytest.raises(ArtifactError, match=refused):
+            GraphExecutor.from_artifact(ref_artifact[0], max_slots=1)
+        data = bytearray(orig)
+        data[8] ^= 0x01                                  # the header's JSON: the recipe fails on the file itself,
+        f.write_bytes(bytes(data))                       # and the refusal names the modified file, not that failure
+        with pytest.raises(Exception, match="header"):
+            safe_open(str(f), framework="pt")
+        with pytest.raises(ArtifactError, match=refused):
+            art.load_weights()
     finally:
-        data[len(data) // 2] ^= 0x01
-        f.write_bytes(bytes(data))
+        f.write_bytes(orig)
     assert sha256_file(f) == want
 
 
@@ -101,12 +142,14 @@ def test_missing_or_resized_referenced_file_is_refused(ref_artifact, ref_checkpo
     f = ref_checkpoint / "model.safetensors"
     shutil.move(f, tmp_path / f.name)
     try:
-        with pytest.raises(ArtifactError, match=rf"referenced checkpoint file {f} is missing"):
-            Artifact.load(ref_artifact[0])
+        for defer in (False, True):                          # deferring the hashes checks presence and size
+            with pytest.raises(ArtifactError, match=rf"referenced checkpoint file {f} is missing"):
+                Artifact.load(ref_artifact[0], defer_sha256=defer)
         with open(f, "wb") as w:                             # truncated: refused on its size, before any hashing
             w.write((tmp_path / f.name).read_bytes()[:1000])
-        with pytest.raises(ArtifactError, match=rf"referenced checkpoint file {f}: 1000 bytes"):
-            Artifact.load(ref_artifact[0])
+        for defer in (False, True):
+            with pytest.raises(ArtifactError, match=rf"referenced checkpoint file {f}: 1000 bytes"):
+                Artifact.load(ref_artifact[0], defer_sha256=defer)
     finally:
         shutil.move(tmp_path / f.name, f)
     Artifact.load(ref_artifact[0])
