@@ -406,6 +406,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lower", default="aoti", choices=["aoti", "export"],
                     help="export: run torch.export's traced graph uncaptured instead of an AOTInductor package "
                          "(the CPU tests: seconds instead of a minute per graph)")
+    ap.add_argument("--quant", default="none", choices=["none", "fp8", "int8"],
+                    help="quantize the random weights as `onegraph export --quant` does (before concatenation)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -441,12 +443,16 @@ def main(argv=None) -> int:
            "shape": args.shape, "dtype": args.dtype, "lower": args.lower,
            "layers": len(ModelConfig.from_hf(hf).layer_types), "layers_full": args.layers_full,
            "position": args.position, "kernels": args.kernels, "fp32_reduce": args.fp32_reduce,
-           "identical_experts": args.identical_experts}
+           "identical_experts": args.identical_experts, "quant": args.quant}
     t = time.time()
     cfg = ModelConfig.from_hf(hf)
     model = random_model(cfg, dtype, dev, fp32_reduce=args.fp32_reduce)   # every rank: the same weights
     if args.identical_experts:
         identical_experts_(model)
+    if args.quant != "none":
+        from onegraph.graphs.quant import quantize_model
+        res["quantized_weights"] = quantize_model(model, args.quant)
+        torch.cuda.empty_cache()
     if tp > 1:
         full, model = model, shard_model(model, args.rank, tp)
         del full

@@ -17,7 +17,7 @@ import torch
 REGIONS = (("moe", ("_moe_",)), ("moe_router_topk", ("topk", "bitonicsort")), ("gdn", ("_gdn_",)),
            ("attention", ("_attn", "attention")), ("norms", ("_rms", "norm")),
            ("sampling", ("_scan_kernel", "_pick_kernel")),
-           ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "sm90", "xmma", "splitk")),
+           ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "sm90", "xmma", "splitk", "_fp8_kernel", "_w8a8_kernel")),
            ("inductor_other", ("triton_",)))
 
 

@@ -1,6 +1,10 @@
 """Projection GEMV vs cuBLAS at Qwen3.5-35B-A3B decode shapes, on a CUDA device; picks the GEMV tiles.
 
     python -m onegraph.tools.bench_linear --out benchmarks/h200_linear.json
+    python -m onegraph.tools.bench_linear --fp8 --rows 1 --out benchmarks/h200_linear_fp8.json
+
+--fp8: onegraph::linear_fp8's kernel (block-FP8 weights, custom_ops/triton/linear_fp8.py) on the FP8 model's
+projections (graphs/fuse.py: the GDN in_proj's FP8 run [qkv; z]; the attention's [q; k; v]; out/o_proj).
 
 Each measurement is one CUDA graph of `calls` launches on distinct copies of the weight (so L2 never
 holds it), replayed `reps` times: µs per call and its fraction of the device's copy bandwidth. For every
@@ -25,6 +29,13 @@ SHAPES = [("gdn_in_proj", 12352, 2048, 30), ("attn_qkv", 9216, 2048, 10), ("q_pr
 GEMV_TILES = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((4, 8, 16, 32), (128, 256, 512, 1024), (4, 8),
                                                                    (1, 3)) if bn * bk <= 16384]
 DOT_TILES = list(itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4)))
+FP8_SHAPES = [("gdn_in_proj_qkvz", 12288, 2048, 30), ("attn_qkv", 9216, 2048, 10), ("out_or_o_proj", 2048, 4096, 40)]
+FP8_GEMV_TILES = [(1, bn, bk, w, s) for bn, bk, w, s in itertools.product((4, 8, 16), (256, 512, 1024), (4, 8),
+                                                                          (1, 3)) if bn * bk <= 16384]
+# the dot path at M = 1 (x padded to 16 rows on the tensor cores), bf16 or fp16 operands (the sixth element)
+FP8_GEMV_TILES += [(16, bn, bk, w, s, h) for bn, bk, w, s, h in itertools.product((32, 64, 128), (64, 128), (4, 8),
+                                                                                (3, 4), (False, True))]
+FP8_DOT_TILES = [(16, bn, bk, 4, s) for bn, bk, s in itertools.product((16, 32, 64), (64, 128), (3, 4))]
 
 
 def copy_bandwidth(dev) -> float:
@@ -64,12 +75,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,8", help="comma-separated M values")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--fp8", action="store_true", help="the block-FP8 projection kernel instead of the bf16 GEMV")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_linear: needs a CUDA device", file=sys.stderr)
         return 2
     from onegraph.custom_ops.triton import linear as lin
+    from onegraph.custom_ops.triton import linear_fp8 as lin8
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     res = {"command": "python -m onegraph.tools.bench_linear " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -77,19 +90,26 @@ def main(argv=None) -> int:
            "rows": []}
     totals: dict = {}
     for M in [int(v) for v in args.rows.split(",")]:
-        for name, N, K, uses in SHAPES:
-            nbytes = N * K * 2
+        for name, N, K, uses in FP8_SHAPES if args.fp8 else SHAPES:
+            nbytes = N * K * (1 if args.fp8 else 2)
             copies = max(2, min(20, (800 << 20) // nbytes))
             ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * K ** -0.5 for _ in range(copies)]
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
             row = {"M": M, "name": name, "N": N, "K": K, "MB": round(nbytes / 1e6, 1)}
-            us = time_calls(F.linear, ws, x, args.reps)
-            row["cublas_us"], row["cublas_bw"] = round(us, 2), round(nbytes / (us * 1e-6) / bw, 3)
-            tiles = GEMV_TILES if M == 1 else DOT_TILES
+            us = time_calls(F.linear, ws, x, args.reps)          # cuBLAS on the bf16 weight (twice the bytes)
+            row["cublas_bf16_us"], row["cublas_bf16_bw"] = round(us, 2), round(2 * N * K / (us * 1e-6) / bw, 3)
+            if args.fp8:                                           # e4m3 bytes + one fp32 scale per 128x128 block
+                scale = torch.rand(-(-N // 128), -(-K // 128), device=dev) * 2.0 ** -6
+                ws = [(w * 64).to(torch.float8_e4m3fn) for w in ws]
+                run = lambda a, w, cfg=None: lin8.matmul(a, w, scale, cfg)   # noqa: E731
+                tiles, cur = (FP8_GEMV_TILES if M == 1 else FP8_DOT_TILES), lin8.tile(M, K)
+            else:
+                run = lambda a, w, cfg=None: lin.gemv(a, w, cfg)   # noqa: E731
+                tiles, cur = (GEMV_TILES if M == 1 else DOT_TILES), lin.tile(M, K)
             per = {}
             for cfg in tiles:
                 try:
-                    per[cfg] = time_calls(lambda a, w: lin.gemv(a, w, cfg), ws, x, args.reps)
+                    per[cfg] = time_calls(lambda a, w: run(a, w, cfg), ws, x, args.reps)
                 except Exception as e:                          # a tile that does not compile: not a candidate
                     per[cfg] = float("inf")
                     row.setdefault("failed_tiles", []).append(f"{cfg}: {type(e).__name__}")
@@ -99,9 +119,8 @@ def main(argv=None) -> int:
             best = min(per, key=per.get)
             row["best_tile"], row["best_us"] = list(best), round(per[best], 2)
             row["best_bw"] = round(nbytes / (per[best] * 1e-6) / bw, 3)
-            row["current_tile"] = list(lin.tile(M, K))
-            row["current_us"] = round(per.get(lin.tile(M, K), time_calls(lambda a, w: lin.gemv(a, w), ws, x,
-                                                                          args.reps)), 2)
+            row["current_tile"] = list(cur)
+            row["current_us"] = round(per.get(cur, time_calls(lambda a, w: run(a, w), ws, x, args.reps)), 2)
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
             del ws

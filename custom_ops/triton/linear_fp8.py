@@ -5,8 +5,10 @@ bandwidth bound) and each value is upcast and scaled in registers, never written
 One kernel, grid (cdiv(N, BN), cdiv(M, BM)); program (n, m) reads rows [n*BN, (n+1)*BN) of w once for
 BM rows of x:
 - M == 1 (GEMV): fp32 FMA of the dequantized tile fp32(q) * s (the reference's very weight values) into a
-  [BN, BK] accumulator, one reduction at the end; the scale of each element is gathered from the tiny
-  [ceil(N/128), ceil(K/128)] table (cached), so BK may span blocks.
+  [BN, BK] accumulator, one reduction at the end. BN divides 128, so a program's rows lie in one block row
+  and a K tile needs one scale per 128 columns (BK may span blocks). Gathering a scale per weight element
+  instead (the first version) read 4 bytes of scale per byte of weight from L1 and ran the 35B FP8
+  projections at 19 us each, a fifth of the bandwidth (H200).
 - M > 1: tl.dot of x [BM, BK] with the raw e4m3 tile upcast to x.dtype — exact: every e4m3 value is a bf16
   (and an fp16) value — accumulated in fp32 per BK-tile, then scaled by that tile's block scale
   (BK divides 128, so one scale per row of the tile) and added: the reference up to fp32 summation and
@@ -17,7 +19,7 @@ The tile (BM, BN, BK, warps, stages) depends on (M class, K) only, never on N, s
 along N (graphs/fuse.py) gives bit-identical columns to the separate weights, as custom_ops/triton/linear.py.
 The Triton 3.6 interpreter (CPU tests) loads float8_e4m3fn pointers and converts every finite e4m3 value
 exactly (all 254 checked; it reads the two NaN encodings as +-480, which no checkpoint holds), so the
-weight is passed as float8_e4m3fn on both paths. Tiles are not tuned on a GPU yet.
+weight is passed as float8_e4m3fn on both paths.
 """
 from __future__ import annotations
 
@@ -35,15 +37,16 @@ GEMV_MAX_M = 16
 
 @triton.jit
 def _fp8_kernel(x, w, s, y, M, N, s_x_m, s_w_n, s_s_n, s_y_m, K: tl.constexpr, SB: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr):
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr,
+                HALF: tl.constexpr):
     """y[m-tile, n-tile] = x[m-tile] @ (fp32(w) * s)[n-tile].T; x, w contiguous along K; SB = 128."""
     pid_n = tl.program_id(0)
     DT: tl.constexpr = y.dtype.element_ty
     rn = pid_n * BN + tl.arange(0, BN)
     mn = rn < N
     rn64 = rn.to(tl.int64)                           # w offsets pass 2**31 for the vocab-sized projections
-    srow = (rn // SB) * s_s_n                        # [BN] each row's block row in the scale table
     if DOT:
+        srow = (rn // SB) * s_s_n                    # [BN] each row's block row in the scale table
         rm = tl.program_id(1) * BM + tl.arange(0, BM)
         mm = rm < M
         acc = tl.zeros([BM, BN], tl.float32)
@@ -53,49 +56,61 @@ def _fp8_kernel(x, w, s, y, M, N, s_x_m, s_w_n, s_s_n, s_y_m, K: tl.constexpr, S
             xt = tl.load(x + rm[:, None] * s_x_m + rk[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
             wt = tl.load(w + rn64[:, None] * s_w_n + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
             st = tl.load(s + srow + k0 // SB, mask=mn, other=0.0)                          # [BN]
-            part = mma(xt, tl.trans(wt.to(xt.dtype)), tl.zeros([BM, BN], tl.float32), DOT_F32)
+            if HALF:                                 # benchmarks only (matmul's cfg): fp16 operands
+                part = mma(xt.to(tl.float16), tl.trans(wt.to(tl.float16)), tl.zeros([BM, BN], tl.float32), DOT_F32)
+            else:
+                part = mma(xt, tl.trans(wt.to(xt.dtype)), tl.zeros([BM, BN], tl.float32), DOT_F32)
             acc += part * st[None, :]
         tl.store(y + rm[:, None] * s_y_m + rn[None, :], to_dt(acc, DT), mask=mm[:, None] & mn[None, :])
     else:
+        # BN divides SB (tile()): the program's rows share one row of the scale table, so a K tile needs
+        # one scale per SB columns ([BK] from a 1-2 element L1 line), not one per weight element
+        srow0 = (pid_n * BN // SB) * s_s_n
         acc = tl.zeros([BN, BK], tl.float32)
         for k0 in range(0, K, BK):
             rk = k0 + tl.arange(0, BK)
             mk = rk < K
-            m2 = mn[:, None] & mk[None, :]
             xv = tl.load(x + rk, mask=mk, other=0.0).to(tl.float32)
-            wt = tl.load(w + rn64[:, None] * s_w_n + rk[None, :], mask=m2, other=0.0).to(tl.float32)
-            st = tl.load(s + srow[:, None] + (rk // SB)[None, :], mask=m2, other=0.0)        # [BN, BK]
-            acc += (wt * st) * xv[None, :]
+            wt = tl.load(w + rn64[:, None] * s_w_n + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+            st = tl.load(s + srow0 + rk // SB, mask=mk, other=0.0)                           # [BK]
+            acc += (wt.to(tl.float32) * st[None, :]) * xv[None, :]
         tl.store(y + rn, to_dt(tl.sum(acc, axis=1), DT), mask=mn)
 
 
-# (BM, BN, BK, num_warps, num_stages) by M class: 1 (GEMV), 2..GEMV_MAX_M (dot, 16 rows), above (prefill).
-# Not yet tuned on the H100 (custom_ops/triton/linear.py's bf16 tiles were; these start from them with a
-# BK that divides the 128-column block where the dot path needs it).
-TILES = {"one": (1, 8, 256, 4, 3), "few": (16, 32, 128, 4, 4), "many": (64, 64, 128, 4, 3)}
+# (BM, BN, BK, num_warps, num_stages) by M class: 1 (GEMV), 2..GEMV_MAX_M (dot, 16 rows), above (prefill),
+# and K for the GEMV. GEMV tiles: the least time per 35B decode step over the FP8 projections of that K,
+# `python -m onegraph.tools.bench_linear --fp8 --rows 1` on the H200 (benchmarks/h200_linear_fp8_gemv.json):
+# the fused GDN [qkv; z] (25.2 MB) in 11.1 us, attention [q; k; v] (18.9 MB) 9.6, out/o_proj (8.4 MB, K = 4096)
+# 6.0 — 33-54 % of copy bandwidth, where the first tiles (one scale per element) took 17-19 us. The limit is
+# not the bytes: every weight element is converted e4m3 -> fp32 (16 conversions per clock per SM on sm_90).
+TILES = {("one", 2048): (1, 8, 1024, 4, 1), ("one", 4096): (1, 4, 1024, 4, 1),
+         "one": (1, 8, 1024, 4, 1), "few": (16, 32, 128, 4, 4), "many": (64, 64, 128, 4, 3)}
 
 
 def tile(M: int, K: int) -> tuple[int, int, int, int, int]:
-    cls = "one" if M == 1 else "few" if M <= GEMV_MAX_M else "many"
-    bm, bn, bk, warps, stages = TILES[cls]
+    cls = "one" if bool(M == 1) else "few" if M <= GEMV_MAX_M else "many"
+    bm, bn, bk, warps, stages = TILES.get((cls, K), TILES[cls])
     floor = 1 if cls == "one" else 16                # tl.dot needs K-tiles of 16 at least
     return bm, bn, max(floor, min(bk, triton.next_power_of_2(K))), warps, stages
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
            cfg: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """x [M, K] @ dequant(w [N, K], scale).T -> [M, N] x.dtype; cfg overrides the tile (benchmarks only)."""
+    """x [M, K] @ dequant(w [N, K], scale).T -> [M, N] x.dtype; cfg overrides the tile (benchmarks only; a
+    sixth element True makes the dot path multiply fp16 operands: a candidate measured by bench_linear --fp8)."""
     M, K = x.shape
     N = w.shape[0]
     x, w, scale = x.contiguous(), w.contiguous(), scale.contiguous()
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    bm, bn, bk, warps, stages = cfg or tile(M, K)
-    dot = M > 1
+    bm, bn, bk, warps, stages, *half = cfg or tile(M, K)
+    dot = bm > 1                                     # benchmarks may run the dot tiles at M = 1
     if dot and BLOCK % bk:
         raise ValueError(f"linear_fp8: the dot path needs a K tile dividing {BLOCK}, got {bk}")
+    if not dot and BLOCK % bn:
+        raise ValueError(f"linear_fp8: the GEMV needs a row tile dividing {BLOCK}, got {bn}")
     launch(_fp8_kernel, (triton.cdiv(N, bn), triton.cdiv(M, bm) if dot else 1), x, w, scale, y, M, N,
            x.stride(0), w.stride(0), scale.stride(0), y.stride(0), K=K, SB=BLOCK, BM=bm, BN=bn, BK=bk, DOT=dot,
-           DOT_F32=INTERPRETED, num_warps=warps, num_stages=stages)
+           DOT_F32=INTERPRETED, HALF=bool(half and half[0]), num_warps=warps, num_stages=stages)
     return y
 
 
