@@ -40,7 +40,7 @@ def checkpoint_dir(ref: dict) -> Path:
 
 
 # files hashed at once while the recipe reads them, in the order it reads them (sorted). Few, so that on a disk
-# slower than the hashing (the H200: 10 files of 37.4 GB hashed at once in 28 s, 1.33 GB/s) the files the recipe
+# slower than the hashing (the H200: 10 files, 37.4 GB, hashed at once in 28 s: 1.33 GB/s) the files the recipe
 # reads first arrive first, instead of every file arriving together at the end; not one, so that a disk that
 # reads faster with more requests in flight still gets several. 4 threads hash ~5 GB/s (sha_ni), more than the
 # recipe consumes (37.4 GB in 21.7 s).
