@@ -139,3 +139,25 @@ def test_bench_interleave_chunked_vs_whole(tiny_artifact, tmp_path):
     assert runs["chunk"]["prefill_budget"] == 16 and runs["whole"]["prefill_budget"] == 80
     assert runs["chunk"]["decode_steps_between_chunks"] >= 4 and runs["whole"]["decode_steps_between_chunks"] == 0
     assert runs["chunk"]["itl_during_prefill_ms"]["n"] > 0 and runs["chunk"]["long_ttft_ms"] > 0
+
+
+def test_bench_engine_on_the_tiny_artifact(tiny_artifact, tmp_path):
+    """tools/bench_engine: the load stages, the fixture's report (it runs by default), the first request, bs1
+    and 3 concurrent requests each streaming exactly --output-len tokens; input past max_seq_len exits 2."""
+    import json
+
+    import pytest
+
+    from onegraph.tools.bench_engine import main
+    out = tmp_path / "engine.json"
+    assert main(["--artifact", str(tiny_artifact), "--concurrency", "3", "--input-len", "20", "--output-len", "5",
+                 "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert {"graph_packages", "fixture"} <= set(r["load_timings_s"]) and r["load_s"] > 0
+    assert r["fixture"]["prompts"] >= 1
+    assert r["bs1"]["decode_ms_per_token"] > 0 and r["first_request"]["ttft_ms"] > 0
+    c = r["concurrency"]
+    assert c["requests"] == 3 and c["output_tokens"] == 15 and c["ttft_ms"]["n"] == 3 and c["itl_ms"]["n"] == 12
+    assert c["output_tok_s"] > 0 and c["input_tok_s"] == pytest.approx(c["output_tok_s"] * 60 / 15, rel=1e-2)
+    assert main(["--artifact", str(tiny_artifact), "--concurrency", "1", "--input-len", "250", "--output-len", "10",
+                 "--no-parity-check"]) == 2
