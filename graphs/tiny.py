@@ -165,9 +165,13 @@ QWEN35_35B_A3B_HF_CONFIG = {
 
 
 @torch.no_grad()
-def randomise_(model: torch.nn.Module, device, seed: int = 0) -> None:
+def randomise_(model: torch.nn.Module, device, seed: int = 0, router: str = "random") -> None:
     """Seeded O(1)-scale weights by parameter name (ours or transformers' Qwen3.5 names): GDN decay
-    A_log = log U(1, 16), dt_bias U(-1, 1), other vectors N(0, 0.1), matrices N(0, fan_in^-1/2)."""
+    A_log = log U(1, 16), dt_bias U(-1, 1), other vectors N(0, 0.1), matrices N(0, fan_in^-1/2).
+    router="decisive": then graphs/decisive.py's rule (per layer, a seeded top-k set for each token's sign
+    pattern, chosen by wide router margins)."""
+    from . import decisive
+    decisive.check_router(router)
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("A_log"):
@@ -178,16 +182,19 @@ def randomise_(model: torch.nn.Module, device, seed: int = 0) -> None:
             p.normal_(0.0, 0.1, generator=gen)
         else:
             p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+        if router == "decisive":                         # a Qwen35Model (its cfg gives H and top_k)
+            decisive.apply_(name, p, model.cfg.hidden_size, model.cfg.num_experts, model.cfg.top_k, seed)
 
 
 @torch.no_grad()
-def random_model(cfg, dtype: torch.dtype, device, seed: int = 0, fp32_reduce: bool = False):
+def random_model(cfg, dtype: torch.dtype, device, seed: int = 0, fp32_reduce: bool = False,
+                 router: str = "random"):
     """A Qwen35Model built on `device` (meta -> to_empty -> seeded init), same scales as the tiny
-    weights; for benchmarking shapes whose weights cannot be shipped."""
+    weights; for benchmarking shapes whose weights cannot be shipped. router: see randomise_."""
     from .qwen3_5 import Qwen35Model
     with torch.device("meta"):
         model = Qwen35Model(cfg, fp32_reduce=fp32_reduce).to(dtype)   # allocated in the target dtype (35B: 69 GB)
     model.to_empty(device=device)
-    randomise_(model, device, seed)
+    randomise_(model, device, seed, router)
     model.inv_freq = Qwen35Model.rope_inv_freq(cfg).to(device)   # the rope table stays fp32
     return model.eval()

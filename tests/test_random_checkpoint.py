@@ -71,6 +71,100 @@ def test_loads_strictly_with_its_mtp_head_and_generates(which, bf16_dir, fp8_dir
     assert torch.equal(model.mtp.norm.weight, t["mtp.norm.weight"].float())
 
 
+@pytest.fixture(scope="module")
+def decisive_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("rc") / "decisive"
+    rc.write("tiny", d, fp8=True, seed=0, router="decisive")
+    return d
+
+
+def _routing(model, prompts=((5, 17, 42, 99, 3, 250, 7, 11), (100, 101, 102, 103), (9, 8, 7, 6, 5, 4, 3, 2, 1)),
+             seed=None):
+    """bf16 eager generation of a few prompts -> (smallest top-k router margin, {layer: top-k sets seen}); seed
+    given (a decisive model's): every row's top-k set must be the seeded group of its channels' sign pattern."""
+    from onegraph.graphs import decisive
+    from onegraph.graphs.eager import router_margins
+    from onegraph.graphs.qwen3_5 import SparseMoe
+    sets, cfg = {}, model.cfg
+
+    def hook(i):
+        def record(moe, args):
+            x = args[0].float()
+            top = torch.nn.functional.linear(x, moe.router_weight[:-1].float()).topk(moe.top_k).indices.sort(-1).values
+            sets.setdefault(i, set()).update(tuple(r) for r in top.tolist())
+            if seed is not None:
+                g = decisive.groups(seed, i, False, cfg.num_experts, cfg.top_k).sort(-1).values
+                m = decisive.channels(cfg.num_experts, cfg.top_k)
+                assert torch.equal(top, g[decisive.token_group(x[:, :m])]), (i, top)
+        return record
+
+    hooks = [m.register_forward_pre_hook(hook(i)) for i, m in enumerate(
+        m for m in model.modules() if isinstance(m, SparseMoe))]
+    try:
+        with router_margins(model) as margins:
+            for p in prompts:
+                logits = generate_eager(model, list(p), 6).logits
+                assert all(torch.isfinite(lg).all() and lg.abs().max() < 30 for lg in logits)
+                assert max(float(lg.topk(2).values.diff().abs()) for lg in logits) > 0
+    finally:
+        for h in hooks:
+            h.remove()
+    return min(margins), sets
+
+
+def test_decisive_router_same_layout_loads_strictly_and_routes_by_wide_margins(decisive_dir, fp8_dir):
+    """--router decisive: the default's keys, dtypes, shapes and config; loads strictly; every token goes to the
+    seeded top-k set of its sign pattern (tiny: 2 sign channels, 4 sets per layer, all seen) by a router margin
+    above 16x the parity fixture's bf16 near-tie (0.0625), where the default's random routers have margins
+    below that near-tie."""
+    from onegraph.runtime.fixture import ROUTER_NEAR_TIE
+    a, b = _tensors(decisive_dir), _tensors(fp8_dir)
+    assert {k: (v.dtype, v.shape) for k, v in a.items()} == {k: (v.dtype, v.shape) for k, v in b.items()}
+    assert (decisive_dir / "config.json").read_text() == (fp8_dir / "config.json").read_text()
+    rec = json.loads((decisive_dir / "random_checkpoint.json").read_text())
+    assert rec["router"] == "decisive"
+    assert json.loads((fp8_dir / "random_checkpoint.json").read_text())["router"] == "random"
+    _, c = check_checkpoint(decisive_dir)
+    c.check()
+    _, model, _ = load_model(decisive_dir, "bfloat16")               # strict
+    margin, sets = _routing(model, seed=0)
+    assert margin > 16 * ROUTER_NEAR_TIE["bfloat16"], margin
+    assert sorted(sets) == [0, 1, 2, 3] and all(len(s) == 4 for s in sets.values()), sets
+    default_margin, default_sets = _routing(load_model(fp8_dir, "bfloat16")[1])
+    assert default_margin < ROUTER_NEAR_TIE["bfloat16"] and all(len(s) > 4 for s in default_sets.values())
+
+
+def test_decisive_rule_keeps_the_values_outside_its_channels(decisive_dir, fp8_dir):
+    """Only the 3 channels' rows / columns (tiny: 2 sign channels + 1 constant), the routers and two norm
+    entries differ from the default's values."""
+    a, b = _tensors(decisive_dir), _tensors(fp8_dir)
+    k = "model.layers.0.linear_attn.in_proj_a.weight"                 # a bf16 reader [HV, H]
+    assert torch.equal(a[k][:, 3:], b[k][:, 3:]) and not a[k][:, :3].any() and b[k][:, :3].all()
+    e = "model.embed_tokens.weight"                                   # +-c / sqrt(3): the drawn value's sign, then +
+    assert torch.equal(a[e][:, 3:], b[e][:, 3:]) and a[e][:, :3].abs().unique().numel() == 1
+    assert torch.equal(a[e][:, :2].sign(), b[e][:, :2].sign()) and (a[e][:, 2] > 0).all()
+    g = "model.layers.2.mlp.gate.weight"                              # [E, H]: scaled random rows + the groups' bits
+    assert torch.allclose(a[g][:, 3:].float(), 0.25 * b[g][:, 3:].float(), rtol=1e-2)
+    beta = a[g][0, :2].abs().unique()
+    assert beta.numel() == 1 and torch.unique(a[g][:, :2].sign(), dim=0).shape == (4, 2)
+    assert torch.equal(a[g][:, 2].unique(), (-2 * beta).to(torch.bfloat16))   # the offset: -m beta
+    assert not a["model.layers.1.mlp.experts.3.down_proj.weight"][:3].float().any()   # a writer's rows (e4m3)
+    assert not a["model.layers.1.post_attention_layernorm.weight"][:3].any()
+
+
+def test_decisive_random_model_and_bad_router(tmp_path):
+    from onegraph.graphs.config import ModelConfig
+    from onegraph.graphs.tiny import TINY_HF_CONFIG, random_model
+    cfg = ModelConfig.from_hf(TINY_HF_CONFIG)
+    margin, _ = _routing(random_model(cfg, torch.bfloat16, "cpu", seed=3, router="decisive"),
+                         prompts=((5, 17, 42, 99, 3),), seed=3)
+    assert margin > 1.0
+    with pytest.raises(ValueError, match="router must be one of"):
+        random_model(cfg, torch.bfloat16, "cpu", router="sharp")
+    with pytest.raises(rc.RandomCheckpointError, match="--router must be one of"):
+        rc.write("tiny", tmp_path / "x", router="sharp")
+
+
 def test_fp8_layout_is_the_official_format(fp8_dir):
     t = _tensors(fp8_dir)
     q = json.loads((fp8_dir / "config.json").read_text())["quantization_config"]

@@ -393,6 +393,9 @@ def main(argv=None) -> int:
     ap.add_argument("--identical-experts", action="store_true",
                     help="copy expert 0 into every expert of each layer: a router flip then cannot change the "
                          "output, which separates routing flips from every other numeric difference")
+    ap.add_argument("--router", default="random", choices=["random", "decisive"],
+                    help="decisive: random routers with wide top-k margins (graphs/decisive.py), so parity rows "
+                         "are not decided by router near-ties")
     ap.add_argument("--layers", type=int, default=0,
                     help="build only the first N decoder layers (the config's layer pattern); with --profile the "
                          "JSON adds figures projected to the full depth (see its 'method')")
@@ -443,10 +446,11 @@ def main(argv=None) -> int:
            "shape": args.shape, "dtype": args.dtype, "lower": args.lower,
            "layers": len(ModelConfig.from_hf(hf).layer_types), "layers_full": args.layers_full,
            "position": args.position, "kernels": args.kernels, "fp32_reduce": args.fp32_reduce,
-           "identical_experts": args.identical_experts, "quant": args.quant}
+           "identical_experts": args.identical_experts, "quant": args.quant, "router": args.router}
     t = time.time()
     cfg = ModelConfig.from_hf(hf)
-    model = random_model(cfg, dtype, dev, fp32_reduce=args.fp32_reduce)   # every rank: the same weights
+    model = random_model(cfg, dtype, dev, fp32_reduce=args.fp32_reduce,   # every rank: the same weights
+                         router=args.router)
     if args.identical_experts:
         identical_experts_(model)
     if args.quant != "none":

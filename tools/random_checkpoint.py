@@ -5,7 +5,7 @@ Qwen -FP8 layout (graphs/quant.py). For running the real-scale path (export, loa
 weights cannot be downloaded.
 
     python -m onegraph.tools.random_checkpoint --shape 35b|tiny --out DIR [--fp8] [--seed S]
-        [--device cpu|cuda] [--shard-gb 5]
+        [--device cpu|cuda] [--shard-gb 5] [--router random|decisive]
 
 Shapes: `35b` is graphs/tiny.py QWEN35_35B_A3B_HF_CONFIG (the Qwen3.5-35B-A3B text model) plus a one-layer MTP
 head; `tiny` is the builtin tiny model's config. Key names and shapes come from the model itself
@@ -17,6 +17,14 @@ log U(1, 16), dt_bias U(-1, 1), other vectors (zero-centred norms: 1 + w) N(0, 0
 N(0, fan_in^-1/2); drawn in fp32 from a generator seeded by (seed, key), so a tensor does not depend on the
 order of writing, then rounded to bf16. The same --seed and --device give byte-identical files (CPU and CUDA
 generators differ, so the device is recorded).
+
+--router decisive (default `random`: the values above): random routers have top-k margins of ~1e-4 (35B:
+256 experts, top-8, 40 layers), so bf16 rounding differences between an artifact's graphs and eager flip
+routing choices in every prompt and its load-time parity fixture can compare nothing. graphs/decisive.py's
+rule then edits the drawn values (a few constant sign channels of the embedding that only the routers read;
+each layer's router sends a token to the top_k experts seeded for its sign pattern, by a margin of several
+logits; every tensor otherwise random, same keys, shapes, dtypes and config.json). The choice is recorded in
+random_checkpoint.json.
 
 --fp8: exactly what `--quant fp8` makes of the bf16 checkpoint of the same seed (graphs/quant.py `quantize` of
 the bf16 values): e4m3 `X.weight` + fp32 `X.weight_scale_inv` per 128x128 block for the main layers' GDN
@@ -141,8 +149,9 @@ def tensor_seed(seed: int, key: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
 
 
-def random_tensor(key: str, shape, seed: int, device) -> torch.Tensor:
-    """The bf16 value of `key` (graphs/tiny.py randomise_'s rule by name), drawn in fp32 on `device`."""
+def random_tensor(key: str, shape, seed: int, device, decisive: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """The bf16 value of `key` (graphs/tiny.py randomise_'s rule by name), drawn in fp32 on `device`;
+    decisive = (hidden_size, experts, top_k): then graphs/decisive.py's rule on the fp32 values."""
     gen = torch.Generator(device=device).manual_seed(tensor_seed(seed, key))
     t = torch.empty(shape, dtype=torch.float32, device=device)
     if key.endswith("A_log"):
@@ -153,12 +162,15 @@ def random_tensor(key: str, shape, seed: int, device) -> torch.Tensor:
         t.normal_(0.0, 0.1, generator=gen)
     else:
         t.normal_(0.0, shape[-1] ** -0.5, generator=gen)
+    if decisive is not None:
+        from onegraph.graphs.decisive import apply_
+        apply_(key, t, *decisive, seed)
     return t.to(torch.bfloat16)
 
 
-def tensors_of(key: str, shape, seed: int, device, fp8: bool):
+def tensors_of(key: str, shape, seed: int, device, fp8: bool, decisive: tuple[int, int, int] | None = None):
     """-> [(hub key, host tensor)]: the bf16 tensor, or with fp8 (for FP8_KEY) e4m3 + its block scales."""
-    t = random_tensor(key, shape, seed, device)
+    t = random_tensor(key, shape, seed, device, decisive)
     if fp8 and FP8_KEY.match(key):
         q, s = quant.quantize(t)
         return [(key, q.cpu()), (key[: -len("weight")] + quant.SCALE, s.cpu())]
@@ -210,8 +222,12 @@ def check_target(out: Path, need: int) -> None:
 
 
 def write(shape: str, out: str | Path, fp8: bool = False, seed: int = 0, device: str = "cpu",
-          shard_gb: float = 5.0, command: str | None = None) -> dict:
-    """Write the checkpoint; -> the record also saved as random_checkpoint.json."""
+          shard_gb: float = 5.0, command: str | None = None, router: str = "random") -> dict:
+    """Write the checkpoint; -> the record also saved as random_checkpoint.json. router: "random" or
+    "decisive" (the module docstring)."""
+    from onegraph.graphs.decisive import ROUTERS
+    if router not in ROUTERS:
+        raise RandomCheckpointError(f"--router must be one of {list(ROUTERS)}, got {router!r}")
     t0 = time.time()
     out, dev = Path(out), torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -227,13 +243,15 @@ def write(shape: str, out: str | Path, fp8: bool = False, seed: int = 0, device:
     out.mkdir(parents=True, exist_ok=True)
     write_text_files(out, cfg)
     names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    written = _write_shards(out, p, groups, heads, names, seed, dev, fp8)
+    decisive = ((cfg["hidden_size"], cfg["num_experts"], cfg["num_experts_per_tok"]) if router == "decisive"
+                else None)
+    written = _write_shards(out, p, groups, heads, names, seed, dev, fp8, decisive)
     weight_map = {k: names[i] for i, g in enumerate(groups) for k in g}
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     params = {"all": sum(math.prod(s) for k, (s, _) in p.items() if not k.endswith(quant.SCALE))}
     params["mtp"] = sum(math.prod(s) for k, (s, _) in p.items() if k.startswith("mtp."))
-    rec = {"command": command, "shape": shape, "fp8": fp8, "seed": seed, "device": str(dev),
+    rec = {"command": command, "shape": shape, "fp8": fp8, "seed": seed, "router": router, "device": str(dev),
            "torch": torch.__version__, "tensors": len(p), "shards": len(groups), "weight_bytes": total,
            "bytes_written": written + sum(f.stat().st_size for f in out.iterdir() if not f.suffix == ".safetensors"),
            "params": params["all"], "params_excl_mtp": params["all"] - params["mtp"],
@@ -242,7 +260,7 @@ def write(shape: str, out: str | Path, fp8: bool = False, seed: int = 0, device:
     return rec
 
 
-def _write_shards(out: Path, p, groups, heads, names, seed, dev, fp8) -> int:
+def _write_shards(out: Path, p, groups, heads, names, seed, dev, fp8, decisive=None) -> int:
     """Generation (this thread) overlapped with file writes (a writer thread, a few tensors queued); each shard
     is written as NAME.partial and renamed when complete."""
     q: queue.Queue = queue.Queue(maxsize=4)
@@ -278,7 +296,7 @@ def _write_shards(out: Path, p, groups, heads, names, seed, dev, fp8) -> int:
             for key in keys:
                 if key.endswith(quant.SCALE):
                     continue                 # produced with its weight
-                for k, t in tensors_of(key, p[key][0], seed, dev, fp8):
+                for k, t in tensors_of(key, p[key][0], seed, dev, fp8, decisive):
                     if tuple(t.shape) != p[k][0] or t.dtype != p[k][1]:
                         raise RuntimeError(f"{k}: made {t.dtype} {list(t.shape)}, planned {p[k][1]} {list(p[k][0])}")
                     q.put(("tensor", k, t))
@@ -301,10 +319,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the values are drawn")
     ap.add_argument("--shard-gb", type=float, default=5.0, help="shard size in GB (1e9 bytes)")
+    ap.add_argument("--router", default="random", choices=["random", "decisive"],
+                    help="decisive: routers with wide top-k margins, so an exported artifact's parity fixture can "
+                         "compare its prompts (graphs/decisive.py)")
     a = ap.parse_args(argv)
     cmd = "python -m onegraph.tools.random_checkpoint " + " ".join(sys.argv[1:] if argv is None else argv)
     try:
-        rec = write(a.shape, a.out, a.fp8, a.seed, a.device, a.shard_gb, cmd)
+        rec = write(a.shape, a.out, a.fp8, a.seed, a.device, a.shard_gb, cmd, a.router)
     except RandomCheckpointError as e:
         print(f"random_checkpoint: {e}", file=sys.stderr)
         return 2
