@@ -28,21 +28,26 @@ coordinates; l the layer):
   the logit beta_l u (b_g . s - m) + ROUTER_SCALE * N(0, 1): 0 (+ noise) from the k experts of its own
   pattern, at most -2 beta_l u from any other group's, -m beta_l u from an expert in no group. So every token
   goes to its pattern's k experts by a margin of about 2 beta_l u - ROUTER_SCALE * (the spread of ~E
-  normals), 35B about 4 - 1.5 (measured: benchmarks/decisive_router.json). The chosen logits stay small (the
-  offset cancels exactly for them, whatever u is), so bf16 rounds them as finely as a random router's. The set
-  depends on the token id (2^m sets per layer, 35B: 32 covering all 256 experts, so a batch spreads over the
-  experts as a trained router's would), the order and renormalised top-k weights within the set on the
-  token's context.
+  normals): 2 BOOST / m = 8 for the 35B (m = 5) where u meets its estimate, less the noise (~1.5) and less
+  where a token's u falls short of it (measured, eager bf16, smallest over 3 prompts: 4.5 at the 35B's hidden
+  size, 40 layers, 5 sign channels; random routers there: 2e-05; benchmarks/decisive_router.json). The
+  chosen logits stay small (the offset cancels exactly for them, whatever u is), so bf16 rounds them as
+  finely as a random router's, and BOOST only pushes the other experts further down. The set depends on the
+  token id (2^m sets per layer, 35B: 32 covering all 256 experts, so a batch spreads over the experts as a
+  trained router's would); the order and renormalised top-k weights within it on the token's context
+  (ROUTER_SCALE * N(0, 1) logits).
 - beta_l = BOOST / (m * u(l)), u falling as the other coordinates of the stream grow with depth. Measured on
   random models of both shapes (tiny; the 35B's hidden size with 40 layers): the rms r_l of the other
   coordinates at layer l's MoE input has r_l^2 ~ 1/H + LAYER0 + GROWTH * max(l - ONSET, 0) (the embedding's
   1/H, the first mixer's ~0.002, then ~0.2 per layer; tokens spread +-30 % around it), so u(l) ~
   c / sqrt(n (r_l^2 + c^2 / H)), with c = KAPPA * sqrt(H) * r_0: the margin 2 BOOST / m moves with it.
-- the MTP head (mtp.*): fc [H, 2H] row i (< n) := ONE at column i, the normed embedding's channel, scaled to
-  |h_i| ~ 1 / sqrt(n); columns :n and H : H + n := 0 otherwise; its layer follows the rules above with
+- the MTP head (mtp.*): fc [H, 2H] row i (< n) := one weight, at column i (the normed embedding's channel),
+  scaled to |h_i| ~ 1 / sqrt(n); columns :n and H : H + n := 0 otherwise; its layer follows the rules above with
   u ~ 1 / sqrt(n (r^2 + 1 / H)), r ~ 1 (fc's output).
-Tied embeddings (lm_head = embed_tokens) would add the channels' x . embed[v, :n] to vocab id v's logit: the
-rule needs untied ones (random_checkpoint and the shapes here are).
+Tensor parallel shards heads, intermediate sizes and the vocabulary, never the hidden coordinates, and the routers are
+replicated, so every rank holds the whole rule. Tied embeddings (lm_head = embed_tokens) would add the
+channels' x . embed[v, :n] to vocab id v's logit: the rule wants untied ones (random_checkpoint's and both
+shapes' are).
 """
 from __future__ import annotations
 
@@ -55,7 +60,7 @@ import torch
 ROUTERS = ("random", "decisive")
 KAPPA = 0.5            # c / (sqrt(H) * r_0): the channels' share of layer 0's normed input
 ROUTER_SCALE = 0.25    # random router rows' std, times H^-1/2
-BOOST = 10.0           # m * beta_l * u: the margin to another group is 2 BOOST / m
+BOOST = 20.0           # m * beta_l * u: the margin to another group is 2 BOOST / m
 GROWTH, ONSET, LAYER0 = 0.2, 0.6, 0.002   # the r_l^2 model (docstring)
 
 WRITER = re.compile(r"\.(o_proj|out_proj|down_proj)(\.weight)?$")
