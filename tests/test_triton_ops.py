@@ -149,6 +149,19 @@ def test_fused_moe(T, H, E, I, Is, top_k, hot, dtype, fp32_out):
 
 
 @needs_triton
+@pytest.mark.parametrize("T,hot", [(1, None), (5, 3)])
+def test_fused_moe_prerouted_hook_is_bit_identical(T, hot, monkeypatch):
+    """tools/tune_moe --routing-prefix times the op with the routing made first by _route_kernel and handed to
+    the SwiGLU kernel (fused_moe.PREROUTED): the outputs must be the model's own, bit for bit."""
+    from onegraph.custom_ops.triton import fused_moe as mod
+    args = moe_args(T, 40 if hot else 48, 8 if hot else 16, 24, 40, 2 if hot else 4, torch.bfloat16, seed=T,
+                    hot_expert=hot) + [False]
+    plain = ops.fused_moe_triton(*args)
+    monkeypatch.setattr(mod, "PREROUTED", True)
+    assert torch.equal(ops.fused_moe_triton(*args), plain)
+
+
+@needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,E,top_k", [(1, 16, 4), (8, 256, 8), (5, 40, 3)])
 def test_route_kernel_matches_route(T, E, top_k, dtype):

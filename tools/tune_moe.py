@@ -3,6 +3,11 @@ shape on a CUDA device: µs per call for each (BI1, BH1, W1) of the SwiGLU kerne
 the down kernel, one kernel's tiles varied at a time.
 
     python -m onegraph.tools.tune_moe --batches 1,8 --out moe_tiles.json
+    python -m onegraph.tools.tune_moe --batches 1 --routing-prefix --out moe_routing_prefix.json
+
+--routing-prefix: instead of the sweep, what finding the routing inside the SwiGLU kernel costs at the default
+tiles: the op as the model runs it, the op handed the routing by _route_kernel first (fused_moe.PREROUTED), and
+that routing kernel (with the fp32 logits it reads) alone; prefix_us = op - (prerouted - routing alone).
 
 Each timing is one CUDA graph of `copies` calls, each on its own copy of the layer's weights and its
 own input (so its own experts): in a model every layer reads experts no earlier call left in L2. (A
@@ -29,6 +34,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 8])
     ap.add_argument("--copies", type=int, default=6, help="weight copies per graph (1.6 GB each at the 35B shape)")
+    ap.add_argument("--routing-prefix", action="store_true", help="measure the in-kernel routing's cost (docstring)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     from onegraph.custom_ops.triton import fused_moe as mod
@@ -49,6 +55,18 @@ def main(argv=None) -> int:
         for router, *experts, sgw in weights:                 # fused_moe takes the logits: x @ [router; sgw].T
             x = rand(g, B, H)
             cases.append((x, torch.nn.functional.linear(x, torch.cat([router, sgw])), *experts, k))
+        if args.routing_prefix:
+            op = time_copies(fn, cases)
+            mod.PREROUTED = True
+            try:
+                pre = time_copies(fn, cases)
+            finally:
+                mod.PREROUTED = False
+            alone = time_copies(lambda x, logits, *rest: mod.route_triton(logits[:, :E].float(), k), cases)
+            res["rows"].append({"B": B, "op_us": round(op, 2), "prerouted_op_us": round(pre, 2),
+                                "routing_alone_us": round(alone, 2), "prefix_us": round(op - (pre - alone), 2)})
+            print(json.dumps(res["rows"][-1]), flush=True)
+            continue
         for which, grid in (("swiglu", k1), ("down", k2)):
             for cfg in grid:
                 mod.BI1, mod.BH1, mod.W1, mod.BH2, mod.BI2, mod.W2 = base
@@ -64,6 +82,10 @@ def main(argv=None) -> int:
                 res["rows"].append({"B": B, "kernel": which, "cfg": cfg, "us": us})
                 print(json.dumps(res["rows"][-1]), flush=True)
     mod.BI1, mod.BH1, mod.W1, mod.BH2, mod.BI2, mod.W2 = base
+    if args.routing_prefix:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+        return 0
     res["best"] = {f"B{B} {w}": min((r for r in res["rows"] if r["B"] == B and r["kernel"] == w and r["us"]),
                                     key=lambda r: r["us"]) for B in args.batches for w in ("swiglu", "down")}
     with open(args.out, "w") as f:

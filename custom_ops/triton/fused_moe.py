@@ -150,14 +150,20 @@ def _swiglu_rows(x_row, sx_h, wg, sg_r, sg_h, wu, su_r, su_h, rows, mrow, H: tl.
 def _moe_swiglu_kernel(x, logits, gate_up, sh_gate, sh_up, act, act_sh, route_w, route_i,
                        s_x_t, s_x_h, s_l_t, s_gu_e, s_gu_r, s_gu_h, s_sg_r, s_sg_h, s_su_r, s_su_h,
                        P, H: tl.constexpr, I: tl.constexpr, Is: tl.constexpr, E: tl.constexpr, BE: tl.constexpr,
-                       TOPK: tl.constexpr, BKK: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr):
+                       TOPK: tl.constexpr, BKK: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr,
+                       ROUTED_IN: tl.constexpr):
+    """ROUTED_IN (benchmarks only, PREROUTED below): route_i / route_w hold the routing already, so a routed
+    program loads its expert instead of finding it and the shared programs do not write it."""
     pid = tl.program_id(0)
     it = tl.program_id(1)
     DT: tl.constexpr = x.dtype.element_ty
     rows = it * BI + tl.arange(0, BI)
     if pid < P:                                   # routed pair p = t*k + j
         t = pid // TOPK
-        e = _route_nth(logits, t, s_l_t, pid - t * TOPK, E, BE, TOPK)     # each program routes its pair itself
+        if ROUTED_IN:
+            e = tl.load(route_i + pid)
+        else:
+            e = _route_nth(logits, t, s_l_t, pid - t * TOPK, E, BE, TOPK)  # each program routes its pair itself
         mrow = rows < I
         w_e = gate_up + e * s_gu_e
         a = _swiglu_rows(x + t * s_x_t, s_x_h, w_e, s_gu_r, s_gu_h, w_e + I * s_gu_r, s_gu_r, s_gu_h,
@@ -169,7 +175,7 @@ def _moe_swiglu_kernel(x, logits, gate_up, sh_gate, sh_up, act, act_sh, route_w,
         a = _swiglu_rows(x + t * s_x_t, s_x_h, sh_gate, s_sg_r, s_sg_h, sh_up, s_su_r, s_su_h,
                          rows, mrow, H, DT, BI, BH)
         tl.store(act_sh + t * Is + rows, to_dt(a, DT), mask=mrow)
-        if it == 0:
+        if it == 0 and not ROUTED_IN:
             # the token's routing for the down kernel, made after this program's own loads: the shared-expert
             # programs need no routing and start first, so this costs no routed program any latency
             top_w, top_i = _route_row(logits, t, s_l_t, E, BE, TOPK, BKK)
@@ -234,6 +240,9 @@ def _moe_down_kernel(logits, down, sh_down, act, act_sh, route_w, route_i, y,
 # at sm_90; compile_check), so it takes (4, 128, 4): 78 registers, no spills. Re-tune on the GPU.
 BI1, BH1, W1 = 4, 256, 4
 BH2, BI2, W2 = 4, 128, 4
+# Benchmarks only (tools/tune_moe.py --routing-prefix, like the tiles above): route with _route_kernel first
+# and hand the SwiGLU kernel the routing, to measure what finding it inside the kernel costs. Never set in a model.
+PREROUTED = False
 
 
 @triton_op("onegraph::fused_moe_triton", mutates_args=())
@@ -252,8 +261,11 @@ def fused_moe_triton(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tenso
     P = T * top_k
     act = torch.empty((P, I), dtype=x.dtype, device=x.device)
     act_sh = torch.empty((T, Is), dtype=x.dtype, device=x.device)
-    route_w = torch.empty((T, top_k), dtype=torch.float32, device=x.device)    # kernel 1 -> kernel 2
-    route_i = torch.empty((T, top_k), dtype=torch.int64, device=x.device)
+    if PREROUTED:                                    # fp32 logits: the routing kernel 1 would have written
+        route_w, route_i = route_triton(logits[:, :E].float(), top_k)
+    else:
+        route_w = torch.empty((T, top_k), dtype=torch.float32, device=x.device)    # kernel 1 -> kernel 2
+        route_i = torch.empty((T, top_k), dtype=torch.int64, device=x.device)
     y = torch.empty((T, H), dtype=out_dtype, device=x.device)
     BI = min(BI1, next_pow2(max(I, Is)))
     BH = min(BH1, next_pow2(H))
@@ -261,7 +273,7 @@ def fused_moe_triton(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tenso
     launch(_moe_swiglu_kernel, (P + T, triton.cdiv(max(I, Is), BI)),
            x, logits, gate_up, shared_gate, shared_up, act, act_sh, route_w, route_i,
            *x.stride(), logits.stride(0), *gate_up.stride(), *shared_gate.stride(), *shared_up.stride(),
-           P, H=H, I=I, Is=Is, BI=BI, BH=BH, num_warps=W1, **route)
+           P, H=H, I=I, Is=Is, BI=BI, BH=BH, ROUTED_IN=PREROUTED, num_warps=W1, **route)
     BHo = min(BH2, next_pow2(H))
     BIo = min(BI2, next_pow2(max(I, Is)))
     launch(_moe_down_kernel, (T, triton.cdiv(H, BHo)),
