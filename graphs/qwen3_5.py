@@ -128,6 +128,8 @@ def _split(mod, x, parts):
         while n > 0:
             mine.append(next(sizes))
             n -= mine[-1]
+        if n:                                         # graphs/fuse.py concatenates whole parts: never reached
+            raise ValueError(f"fused projection: a run of {run.weight.shape[0]} rows straddles the parts {mod.fused_sizes}")
         out += run(x).split(mine, dim=-1)
     return out
 

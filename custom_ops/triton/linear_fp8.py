@@ -51,7 +51,8 @@ def _e4m3_bits_bf16(q):
 @triton.jit
 def _e4m3_bits_f32(q):
     """e4m3 [..] -> fp32 holding exactly q * 2^-120 (the same bits placed in an fp32: e4m3 subnormals become
-    fp32 subnormals, exact unless the GPU flushes them: the cuda test with subnormal-only weights says)."""
+    fp32 subnormals, exact unless the GPU flushes them: the PTX has no .ftz, and
+    test_bit_conversion_candidate_is_bit_identical runs half-subnormal weights on the GPU too)."""
     u = q.to(tl.int8, bitcast=True).to(tl.int32)    # sign-extended: one shift and one mask per element
     return ((u << 20) & -2014314496).to(tl.float32, bitcast=True)                  # 0x87F00000 as int32
 
@@ -106,8 +107,8 @@ def _fp8_kernel(x, w, s, y, M, N, s_x_m, s_w_n, s_s_n, s_y_m, K: tl.constexpr, S
 # (BM, BN, BK, num_warps, num_stages) by M class: 1 (GEMV), 2..GEMV_MAX_M (dot, 16 rows), above (prefill),
 # and K for the GEMV. GEMV tiles: the least time per 35B decode step over the FP8 projections of that K,
 # `python -m onegraph.tools.bench_linear --fp8 --rows 1` on the H200 (benchmarks/h200_linear_fp8_gemv.json):
-# the fused GDN [qkv; z] (25.2 MB) in 11.1 us, attention [q; k; v] (18.9 MB) 9.6, out/o_proj (8.4 MB, K = 4096)
-# 6.0 — 33-54 % of copy bandwidth, where the first tiles (one scale per element) took 17-19 us. The limit is
+# the fused GDN [qkv; z] (25.2 MB) in 11.1 us, attention [q; k; v] (18.9 MB) 9.8 (9.5 with its own best tile),
+# out/o_proj (8.4 MB, K = 4096) 6.0 — 33-54 % of copy bandwidth, where the first tiles (one scale per element) took 17-19 us. The limit is
 # not the bytes: every weight element is converted e4m3 -> fp32 (16 conversions per clock per SM on sm_90).
 TILES = {("one", 2048): (1, 8, 1024, 4, 1), ("one", 4096): (1, 4, 1024, 4, 1),
          "one": (1, 8, 1024, 4, 1), "few": (16, 32, 128, 4, 4), "many": (64, 64, 128, 4, 3)}
