@@ -117,6 +117,7 @@ def main(argv=None) -> int:
                     totals.setdefault((M == 1, K), {}).setdefault(cfg, 0.0)
                     totals[(M == 1, K)][cfg] += per[cfg] * uses
             best = min(per, key=per.get)
+            row["tiles_us"] = {",".join(map(str, c)): round(u, 2) for c, u in sorted(per.items(), key=lambda cu: cu[1])}
             row["best_tile"], row["best_us"] = list(best), round(per[best], 2)
             row["best_bw"] = round(nbytes / (per[best] * 1e-6) / bw, 3)
             row["current_tile"] = list(cur)
