@@ -126,6 +126,21 @@ def test_kernels_equal_the_bf16_kernels_on_dequantized_weights(T, H, E, I, Is, t
 
 
 @needs_triton
+@pytest.mark.parametrize("T", [1, 3])
+def test_route_first_is_bit_identical(T, monkeypatch):
+    """In-kernel routing (below fused_moe.ROUTE_FIRST_FROM tokens) and _route_kernel first (from it on) give the
+    FP8 kernels the same output bit for bit, at every T."""
+    from onegraph.custom_ops.triton import fused_moe as mod
+    args, _ = fp8_args(T, 256, 16, 128, 128, 4, BF16, seed=30 + T, pow2=False)
+    default = ops.fused_moe_fp8_triton(*args)
+    outs = {}
+    for first in (False, True):
+        monkeypatch.setattr(mod, "PREROUTED", first)
+        outs[first] = ops.fused_moe_fp8_triton(*args)
+    assert torch.equal(outs[False], outs[True]) and torch.equal(default, outs[T >= mod.ROUTE_FIRST_FROM])
+
+
+@needs_triton
 @pytest.mark.parametrize("T,H,E,I,Is,top_k", SHAPES[::2])
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
 def test_kernels_match_reference_with_checkpoint_scales(T, H, E, I, Is, top_k, dtype):

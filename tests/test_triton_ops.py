@@ -149,16 +149,19 @@ def test_fused_moe(T, H, E, I, Is, top_k, hot, dtype, fp32_out):
 
 
 @needs_triton
-@pytest.mark.parametrize("T,hot", [(1, None), (5, 3)])
-def test_fused_moe_prerouted_hook_is_bit_identical(T, hot, monkeypatch):
-    """tools/tune_moe --routing-prefix times the op with the routing made first by _route_kernel and handed to
-    the SwiGLU kernel (fused_moe.PREROUTED): the outputs must be the model's own, bit for bit."""
+@pytest.mark.parametrize("T,hot", [(1, None), (2, None), (5, 3)])
+def test_fused_moe_route_first_is_bit_identical(T, hot, monkeypatch):
+    """The decode kernels route in-kernel below fused_moe.ROUTE_FIRST_FROM tokens and with _route_kernel first
+    from it on (fused_moe.route_first): both ways must give the same output bit for bit, at every T."""
     from onegraph.custom_ops.triton import fused_moe as mod
     args = moe_args(T, 40 if hot else 48, 8 if hot else 16, 24, 40, 2 if hot else 4, torch.bfloat16, seed=T,
                     hot_expert=hot) + [False]
-    plain = ops.fused_moe_triton(*args)
-    monkeypatch.setattr(mod, "PREROUTED", True)
-    assert torch.equal(ops.fused_moe_triton(*args), plain)
+    default = ops.fused_moe_triton(*args)
+    outs = {}
+    for first in (False, True):
+        monkeypatch.setattr(mod, "PREROUTED", first)
+        outs[first] = ops.fused_moe_triton(*args)
+    assert torch.equal(outs[False], outs[True]) and torch.equal(default, outs[T >= mod.ROUTE_FIRST_FROM])
 
 
 @needs_triton

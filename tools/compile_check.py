@@ -179,7 +179,7 @@ def ptxas_usage(ptx: str, arch: int) -> dict:
             "spill_loads": grab(r"(\d+) bytes spill loads")}
 
 
-def check(batches=(1, 64), arch: int = 90) -> list[dict]:
+def check(batches=(1, 8, 64), arch: int = 90) -> list[dict]:
     rows, seen = [], set()
     for B in batches:
         for name, args in cases(B):
@@ -204,7 +204,7 @@ def check(batches=(1, 64), arch: int = 90) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="compile the Triton kernels for a GPU target, no GPU needed")
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (H200: 90)")
-    p.add_argument("--batches", default="1,64")
+    p.add_argument("--batches", default="1,8,64")
     p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     a = p.parse_args(argv)
     if not isinstance(norms._rms_norm_kernel, JITFunction):   # triton's interpreter mode replaced them

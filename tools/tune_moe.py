@@ -6,8 +6,9 @@ the down kernel, one kernel's tiles varied at a time.
     python -m onegraph.tools.tune_moe --batches 1 --routing-prefix --out moe_routing_prefix.json
 
 --routing-prefix: instead of the sweep, what finding the routing inside the SwiGLU kernel costs at the default
-tiles: the op as the model runs it, the op handed the routing by _route_kernel first (fused_moe.PREROUTED), and
-that routing kernel (with the fp32 logits it reads) alone; prefix_us = op - (prerouted - routing alone).
+tiles: the op routing in-kernel, the op routing first with _route_kernel (fused_moe.PREROUTED forces either),
+and that routing kernel alone; prefix_us = in-kernel - (route first - routing alone); model_routes_first: which
+of the two fused_moe.route_first picks at that batch.
 
 Each timing is one CUDA graph of `copies` calls, each on its own copy of the layer's weights and its
 own input (so its own experts): in a model every layer reads experts no earlier call left in L2. (A
@@ -56,15 +57,17 @@ def main(argv=None) -> int:
             x = rand(g, B, H)
             cases.append((x, torch.nn.functional.linear(x, torch.cat([router, sgw])), *experts, k))
         if args.routing_prefix:
-            op = time_copies(fn, cases)
-            mod.PREROUTED = True
-            try:
-                pre = time_copies(fn, cases)
-            finally:
-                mod.PREROUTED = False
-            alone = time_copies(lambda x, logits, *rest: mod.route_triton(logits[:, :E].float(), k), cases)
-            res["rows"].append({"B": B, "op_us": round(op, 2), "prerouted_op_us": round(pre, 2),
-                                "routing_alone_us": round(alone, 2), "prefix_us": round(op - (pre - alone), 2)})
+            us = {}
+            for first in (False, True):
+                mod.PREROUTED = first
+                try:
+                    us[first] = time_copies(fn, cases)
+                finally:
+                    mod.PREROUTED = None
+            alone = time_copies(lambda x, logits, *rest: mod.route_triton(logits[:, :E], k), cases)
+            res["rows"].append({"B": B, "in_kernel_us": round(us[False], 2), "route_first_us": round(us[True], 2),
+                                "routing_alone_us": round(alone, 2), "prefix_us": round(us[False] - (us[True] - alone), 2),
+                                "model_routes_first": mod.route_first(B)})
             print(json.dumps(res["rows"][-1]), flush=True)
             continue
         for which, grid in (("swiglu", k1), ("down", k2)):

@@ -2,11 +2,13 @@
 
 Input logits [T, E + 1] (x.dtype): the router logits and the shared expert's gate logit, projected by the
 caller (at decode the GEMV that also applies the post-attention norm, custom_ops/triton/linear.py).
-Routing needs no launch of its own (3.6 us per layer at the 35B bs1 step on the H200, where aten's topk
-alone had taken 0.39 of a 4.26 ms step): every routed program of kernel 1 finds its own expert from the E
-logits (`_route_nth`: a 512-byte L2 read and j + 1 max-scans for rank j), and the token's shared-expert
+At T = 1 routing needs no launch of its own (3.6 us per layer at the 35B bs1 step on the H200, where aten's
+topk alone had taken 0.39 of a 4.26 ms step): every routed program of kernel 1 finds its own expert from the
+E logits (`_route_nth`: a 512-byte L2 read and j + 1 max-scans for rank j), and the token's shared-expert
 program (which needs no routing to start) writes the whole routing (`_route_row`: fp32 softmax, top-k,
-renormalise) after its own work, for kernel 2 to load. The prefill path runs it once, as `_route_kernel`.
+renormalise) after its own work, for kernel 2 to load. From T = ROUTE_FIRST_FROM on, that repeated prefix
+costs more than a launch, and `_route_kernel` routes every token first (route_first below). The prefill
+path always routes with `_route_kernel`.
 Ties matter: the 35B random router's 8th and 9th bf16 logits are equal in 8 % of layer-tokens (H200,
 8 bs8 eager steps). CUDA torch.topk keeps the lowest indices among values equal to the k-th (H200:
 2000 of 2000 tied rows), and so does `_route_row` (it takes the largest logit, lowest index first, k
@@ -152,8 +154,8 @@ def _moe_swiglu_kernel(x, logits, gate_up, sh_gate, sh_up, act, act_sh, route_w,
                        P, H: tl.constexpr, I: tl.constexpr, Is: tl.constexpr, E: tl.constexpr, BE: tl.constexpr,
                        TOPK: tl.constexpr, BKK: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr,
                        ROUTED_IN: tl.constexpr):
-    """ROUTED_IN (benchmarks only, PREROUTED below): route_i / route_w hold the routing already, so a routed
-    program loads its expert instead of finding it and the shared programs do not write it."""
+    """ROUTED_IN (route_first below): route_i / route_w hold the routing already, so a routed program loads its
+    expert instead of finding it and the shared programs do not write it."""
     pid = tl.program_id(0)
     it = tl.program_id(1)
     DT: tl.constexpr = x.dtype.element_ty
@@ -240,9 +242,33 @@ def _moe_down_kernel(logits, down, sh_down, act, act_sh, route_w, route_i, y,
 # at sm_90; compile_check), so it takes (4, 128, 4): 78 registers, no spills. Re-tune on the GPU.
 BI1, BH1, W1 = 4, 256, 4
 BH2, BI2, W2 = 4, 128, 4
-# Benchmarks only (tools/tune_moe.py --routing-prefix, like the tiles above): route with _route_kernel first
-# and hand the SwiGLU kernel the routing, to measure what finding it inside the kernel costs. Never set in a model.
-PREROUTED = False
+# Who finds a pair's expert. In-kernel, each of the SwiGLU kernel's cdiv(I, BI) programs of a routed pair repeats
+# its pair's j + 1 max-reductions over the E router keys before its first weight load, so that prefix grows with
+# the batch; routing first is one _route_kernel program per token (one more launch) and the SwiGLU programs load
+# their expert's index. H200, one 35B layer, each call on its own weights (`python -m onegraph.tools.tune_moe
+# --routing-prefix`, benchmarks/h200_moe_routing_prefix.json): the whole op at B = 1 23.5 us in-kernel vs 25.7
+# routed first (fp32 logits through an extra conversion then), at B = 8 122.8 vs 107.1 us.
+ROUTE_FIRST_FROM = 2
+# Benchmarks only (tools/tune_moe.py, like the tiles above): True / False forces either way. Never set in a model.
+PREROUTED: bool | None = None
+
+
+def route_first(T: int) -> bool:
+    """Does a decode call over T tokens route in _route_kernel before the SwiGLU kernel (static at trace time)?"""
+    return T >= ROUTE_FIRST_FROM if PREROUTED is None else PREROUTED
+
+
+def route_buffers(logits: torch.Tensor, T: int, E: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The decode kernels' routing, kernel 1 -> kernel 2: (w [T, k] fp32, idx [T, k] int64, filled). Routed
+    first (route_first(T)), _route_kernel fills them now from logits[:, :E] read in place; otherwise they are
+    empty and the SwiGLU kernel's shared-expert programs write them."""
+    w = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
+    idx = torch.empty((T, top_k), dtype=torch.int64, device=logits.device)
+    first = route_first(T)
+    if first:
+        launch(_route_kernel, (T,), logits, w, idx, logits.stride(0), E=E, BE=next_pow2(E), K=top_k,
+               BK=next_pow2(top_k), num_warps=2)
+    return w, idx, first
 
 
 @triton_op("onegraph::fused_moe_triton", mutates_args=())
@@ -261,11 +287,7 @@ def fused_moe_triton(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tenso
     P = T * top_k
     act = torch.empty((P, I), dtype=x.dtype, device=x.device)
     act_sh = torch.empty((T, Is), dtype=x.dtype, device=x.device)
-    if PREROUTED:                                    # fp32 logits: the routing kernel 1 would have written
-        route_w, route_i = route_triton(logits[:, :E].float(), top_k)
-    else:
-        route_w = torch.empty((T, top_k), dtype=torch.float32, device=x.device)    # kernel 1 -> kernel 2
-        route_i = torch.empty((T, top_k), dtype=torch.int64, device=x.device)
+    route_w, route_i, routed = route_buffers(logits, T, E, top_k)
     y = torch.empty((T, H), dtype=out_dtype, device=x.device)
     BI = min(BI1, next_pow2(max(I, Is)))
     BH = min(BH1, next_pow2(H))
@@ -273,7 +295,7 @@ def fused_moe_triton(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tenso
     launch(_moe_swiglu_kernel, (P + T, triton.cdiv(max(I, Is), BI)),
            x, logits, gate_up, shared_gate, shared_up, act, act_sh, route_w, route_i,
            *x.stride(), logits.stride(0), *gate_up.stride(), *shared_gate.stride(), *shared_up.stride(),
-           P, H=H, I=I, Is=Is, BI=BI, BH=BH, ROUTED_IN=PREROUTED, num_warps=W1, **route)
+           P, H=H, I=I, Is=Is, BI=BI, BH=BH, ROUTED_IN=routed, num_warps=W1, **route)
     BHo = min(BH2, next_pow2(H))
     BIo = min(BI2, next_pow2(max(I, Is)))
     launch(_moe_down_kernel, (T, triton.cdiv(H, BHo)),

@@ -9,10 +9,11 @@ every column h the scale s[row block, h // 128] is one value, and x[h] * s is fo
 ([BH] or [k, BI] multiplies) where scaling the weights would take one per weight. The per-weight work stays
 the bf16 kernel's: one convert, one FMA (fp32 accumulation). x . (q * s) and (x * s) . q differ only by fp32
 rounding, far below the x.dtype roundings the reference makes after each projection.
-Kernel 1 (SwiGLU), grid (T*k + T, cdiv(max(I, Is), BI)): pair p = (t, j) routes itself (`_route_nth`),
+Kernel 1 (SwiGLU), grid (T*k + T, cdiv(max(I, Is), BI)): pair p = (t, j) routes itself (`_route_nth`; from
+T = fused_moe.ROUTE_FIRST_FROM on, `_route_kernel` has routed first and the pair loads its expert),
 reads its expert's gate and up rows [BI, BH] per step with the scales of their block rows (gate block rows
 first in gate_up_scale, then up's); programs p >= T*k do token p - T*k's shared expert and write the
-token's routing for kernel 2. Kernel 2 (down + combine), grid (T, cdiv(H, BH)): the k experts' [k, BH, BI]
+token's routing for kernel 2 (unless routed first). Kernel 2 (down + combine), grid (T, cdiv(H, BH)): the k experts' [k, BH, BI]
 down tiles side by side, each expert's scales gathered per column ([k, BI] from a table of a few KiB, L1/L2
 resident) and folded into its activations.
 T*k > E (prefill, and decode batches past E / k) goes to fused_moe_fp8_prefill.py's grouped GEMMs.
@@ -29,7 +30,7 @@ from ..fused_moe_fp8 import _validate
 from ..linear_fp8 import BLOCK
 from . import fused_moe_fp8_prefill
 from ._common import launch, next_pow2, rnd, to_dt
-from .fused_moe import _route_nth, _route_row, route_triton
+from .fused_moe import _route_nth, _route_row, route_buffers, route_triton
 
 
 @triton.jit
@@ -61,7 +62,8 @@ def _moe_fp8_swiglu_kernel(x, logits, gate_up, gu_s, sh_gate, sg_s, sh_up, su_s,
                            s_su_r, s_su_h, s_sus_r,
                            P, H: tl.constexpr, I: tl.constexpr, Is: tl.constexpr, E: tl.constexpr, BE: tl.constexpr,
                            TOPK: tl.constexpr, BKK: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr,
-                           SB: tl.constexpr):
+                           SB: tl.constexpr, ROUTED_IN: tl.constexpr):
+    """ROUTED_IN: route_i / route_w hold the routing already (fused_moe.route_first)."""
     pid = tl.program_id(0)
     it = tl.program_id(1)
     DT: tl.constexpr = x.dtype.element_ty
@@ -69,7 +71,10 @@ def _moe_fp8_swiglu_kernel(x, logits, gate_up, gu_s, sh_gate, sg_s, sh_up, su_s,
     rb = (it * BI) // SB                          # the tile's block row (BI divides SB)
     if pid < P:                                   # routed pair p = t*k + j
         t = pid // TOPK
-        e = _route_nth(logits, t, s_l_t, pid - t * TOPK, E, BE, TOPK)     # each program routes its pair itself
+        if ROUTED_IN:
+            e = tl.load(route_i + pid)
+        else:
+            e = _route_nth(logits, t, s_l_t, pid - t * TOPK, E, BE, TOPK)  # each program routes its pair itself
         mrow = rows < I
         w_e = gate_up + e * s_gu_e
         s_e = gu_s + e * s_gus_e
@@ -83,7 +88,7 @@ def _moe_fp8_swiglu_kernel(x, logits, gate_up, gu_s, sh_gate, sg_s, sh_up, su_s,
         a = _swiglu_rows_fp8(x + t * s_x_t, s_x_h, sh_gate, s_sg_r, s_sg_h, sh_up, s_su_r, s_su_h,
                              sg_s + rb * s_sgs_r, su_s + rb * s_sus_r, rows, mrow, H, DT, BI, BH, SB)
         tl.store(act_sh + t * Is + rows, to_dt(a, DT), mask=mrow)
-        if it == 0:
+        if it == 0 and not ROUTED_IN:
             # the token's routing for the down kernel, after this program's own loads (as fused_moe's)
             top_w, top_i = _route_row(logits, t, s_l_t, E, BE, TOPK, BKK)
             ks = tl.arange(0, BKK)
@@ -162,8 +167,7 @@ def _launch_decode(x, logits, gate_up, gate_up_scale, down, down_scale, shared_g
     P = T * top_k
     act = torch.empty((P, I), dtype=x.dtype, device=x.device)
     act_sh = torch.empty((T, Is), dtype=x.dtype, device=x.device)
-    route_w = torch.empty((T, top_k), dtype=torch.float32, device=x.device)    # kernel 1 -> kernel 2
-    route_i = torch.empty((T, top_k), dtype=torch.int64, device=x.device)
+    route_w, route_i, routed = route_buffers(logits, T, E, top_k)              # kernel 1 -> kernel 2
     y = torch.empty((T, H), dtype=out_dtype, device=x.device)
     BI = min(bi1, next_pow2(max(I, Is)))
     BH = min(bh1, next_pow2(H))
@@ -172,7 +176,7 @@ def _launch_decode(x, logits, gate_up, gate_up_scale, down, down_scale, shared_g
            x, logits, gate_up, gus, shared_gate, sgs, shared_up, sus, act, act_sh, route_w, route_i,
            *x.stride(), logits.stride(0), *gate_up.stride(), *gus.stride()[:2], *shared_gate.stride(), sgs.stride(0),
            *shared_up.stride(), sus.stride(0),
-           P, H=H, I=I, Is=Is, BI=BI, BH=BH, num_warps=w1, **route)
+           P, H=H, I=I, Is=Is, BI=BI, BH=BH, ROUTED_IN=routed, num_warps=w1, **route)
     BHo = min(bh2, next_pow2(H))
     BIo = min(bi2, next_pow2(max(I, Is)))
     launch(_moe_fp8_down_kernel, (T, triton.cdiv(H, BHo)),
