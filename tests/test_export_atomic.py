@@ -103,8 +103,12 @@ def test_cli_filters_only_the_known_warnings():
         warnings.warn_explicit(known, FutureWarning, "mine.py", 1, module="mypackage")           # other module
         warnings.warn_explicit(known, UserWarning, "copyreg.py", 105, module="copyreg")         # other category
         warnings.warn_explicit("something else", FutureWarning, "lowering.py", 1, module="torch._inductor.lowering")
+        ro = "The given buffer is not writable, and PyTorch does not support non-writable tensors."
+        warnings.warn_explicit(ro, UserWarning, "_package.py", 790, module="torch.export.pt2_archive._package")
+        warnings.warn_explicit(ro, UserWarning, "mine.py", 1, module="mypackage")                # other module
     assert [(str(w.message)[:14], w.category.__name__) for w in seen] == [
-        ("`isinstance(tr", "FutureWarning"), ("`isinstance(tr", "UserWarning"), ("something else", "FutureWarning")]
+        ("`isinstance(tr", "FutureWarning"), ("`isinstance(tr", "UserWarning"), ("something else", "FutureWarning"),
+        ("The given buff", "UserWarning")]
 
 
 # ---------------------------------------------------------------- failures leave --out untouched
