@@ -9,7 +9,8 @@ teacher-forced by eager's ids (the graph is fed eager's token, not its own), so 
 compounds and each row is one step of the graph vs eager on the same inputs: ids, the largest logit
 difference, eager's smallest MoE router margin (a near-tie explains a flipped expert, see
 runtime/fixture.py) and the largest difference of every state tensor (conv / recurrent GDN state,
-K / V caches) of slot 0. The first row beyond the dtype's tolerance is `first_diff`.
+K / V caches) of slot 0. The first row beyond the load-time fixture's tolerance (the dtype's, or
+eager's own recorded spread where wider: runtime/fixture.py fixture_tolerance) is `first_diff`.
 
 Tensor parallel: every rank compares its own graphs with an eager model of its own weight shard, both
 running the same loop (no step broadcast: the collectives of the graphs, then those of eager, pair up
@@ -53,11 +54,14 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def lockstep(ex, prompt: list[int], steps: int) -> dict:
     """Graphs of `ex` (a GraphExecutor from an artifact, any slot count) vs their eager twin -> report."""
+    from safetensors.torch import load_file
+
     from onegraph.graphs.eager import router_margins
     from onegraph.runtime.executor import Sampling
-    from onegraph.runtime.fixture import TOLERANCE
+    from onegraph.runtime.fixture import fixture_tolerance
     m = ex.artifact.manifest
-    tol = TOLERANCE[m["dtype"]]
+    # the load-time check's tolerance: the dtype's, or wider where eager's own recorded spread says so
+    tol, _, source, _ = fixture_tolerance(load_file(str(ex.artifact.fixture)), m["dtype"], m["options"].get("quant"))
     model, eager = eager_twin(ex)
     names = [t["name"] for t in m["state"]]
     ex.link = None                    # tensor parallel: every rank runs this same loop itself
@@ -83,8 +87,8 @@ def lockstep(ex, prompt: list[int], steps: int) -> dict:
     bad = lambda r: (r["ids"][0] != r["ids"][1] or r["logit_diff"] > tol  # noqa: E731
                      or max(r["state_diff"].values()) > tol)
     first = next((r["step"] for r in rows if bad(r)), None)
-    return {"path": ex.path, "dtype": m["dtype"], "tolerance": tol, "prompt": prompt, "first_diff": first,
-            "rows": rows}
+    return {"path": ex.path, "dtype": m["dtype"], "tolerance": tol, "tolerance_source": source,
+            "prompt": prompt, "first_diff": first, "rows": rows}
 
 
 def main(argv=None) -> int:
