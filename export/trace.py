@@ -11,6 +11,7 @@ import torch
 from onegraph.custom_ops import decompositions
 
 from .entry import GraphSpec, dynamic_shapes, entry_module, example_inputs
+from .fold_norm import fold_input_norms
 from .inplace import fold_state_writes, inplace_op_names
 from .inplace_kv import fold_kv_writes, kv_inplace_op_names
 
@@ -70,4 +71,5 @@ def trace(model, spec: GraphSpec, device, kernels: str = "auto",
         if dev.type != "cpu" and kernels == "auto":
             fold_state_writes(ep)          # the Triton kernels write decode state rows in place
             fold_kv_writes(ep)             # and the attention layers' KV-cache rows
+            fold_input_norms(ep)           # batch 1: a layer's input norm in its first projection's GEMV
     return ep, check_lowered(ep, dev.type)

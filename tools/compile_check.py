@@ -67,6 +67,8 @@ def cases(B: int):
                             torch.empty(16, 4, **f32), 8)
     yield "add_rms_norm_linear", (torch.empty(B, 2048, **bf), torch.empty(B, 2048, **bf), torch.empty(2048, **bf), 1e-6,
                                   torch.empty(257, 2048, **bf))
+    yield "add_rms_norm_linear", (torch.empty(B, 2048, **bf), torch.empty(B, 2048, **bf), torch.empty(2048, **bf), 1e-6,
+                                  torch.empty(12352, 2048, **bf))   # the layer-input norm in the GDN in_proj
     yield "attention_decode", (torch.empty(B, 16, 256, **bf), torch.empty(S, 2, 4096, 256, **bf),
                                torch.empty(S, 2, 4096, 256, **bf), torch.empty(B, dtype=torch.int64, **m),
                                torch.empty(B, dtype=torch.int64, **m), 256 ** -0.5,

@@ -47,7 +47,7 @@ def _h_tile(x, res, off, m2, DT: tl.constexpr):
 @triton.jit
 def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps, K: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
-                 DOT_F32: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr):
+                 DOT_F32: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, REGS: tl.constexpr):
     """y[:M, n-tile] = x[:M] @ w[n-tile].T; x and w contiguous along K.
     NORM (add_rms_norm_linear): the rows multiplied are normed = rms_norm(x + res) * (1 + nw) instead of x.
     Every program makes them in a prologue (x and res are 2-8 KB per row, read from L2) and writes them to
@@ -56,7 +56,11 @@ def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps,
     program reads its own values (visible to the whole block after the barrier). Making the rows per K tile
     inside the loop instead kept its L2 loads and the program-0 stores in the loop, which then did not
     pipeline: 8.3 us for the 35B router where add_rms_norm + GEMV took 3.7 (H200).
-    KP: the prologue's row tile (M == 1: the whole row, next_pow2(K))."""
+    KP: the prologue's row tile (M == 1: the whole row, next_pow2(K)).
+    REGS (NORM at M == 1, BK == KP: one K tile): the normed row stays in registers and is multiplied as it is,
+    with one [BN, KP] weight load and no loop; only program 0 writes normed and h. No program waits on a
+    barrier or reads the row back, and the writes are one row per call, not one per program: the form that
+    suits the wide projections (the GDN in_proj's 3088 programs would write 12 MB of rows in the form above)."""
     pid = tl.program_id(0)
     DT: tl.constexpr = y.dtype.element_ty
     rn = pid * BN + tl.arange(0, BN)
@@ -64,53 +68,66 @@ def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps,
     rn64 = rn.to(tl.int64)                           # w offsets pass 2**31 for the large projections
     rm = tl.arange(0, BM)
     mm = rm < M
-    if NORM:
-        if DOT:                                      # [BM, KP] tiles of at most 4096 elements, two passes
-            ss = tl.zeros([BM, KP], tl.float32)
-            for p0 in range(0, K, KP):
-                pk = p0 + tl.arange(0, KP)
-                p_off, p_m = _offsets(rm, mm, pk, pk < K, s_x_m, True)
-                p_h = _h_tile(x, res, p_off, p_m, DT)
-                ss += p_h * p_h
-            inv = tl.rsqrt(tl.sum(ss, axis=1) / K + tl.cast(eps, tl.float32))   # [BM]; AOTI passes floats as fp64
-            for p0 in range(0, K, KP):
-                pk = p0 + tl.arange(0, KP)
-                p_off, p_m = _offsets(rm, mm, pk, pk < K, s_x_m, True)
-                p_h = _h_tile(x, res, p_off, p_m, DT)
+    if REGS:                                         # NORM, M == 1, the whole row one tile (docstring)
+        pk = tl.arange(0, KP)
+        mk = pk < K
+        p_h = _h_tile(x, res, pk, mk, DT)
+        inv = tl.rsqrt(tl.sum(p_h * p_h, axis=0) / K + tl.cast(eps, tl.float32))
+        wn = 1.0 + tl.load(nw + pk, mask=mk, other=0.0).to(tl.float32)
+        row = to_dt(p_h * inv * wn, DT)              # [KP]: the normed row, rounded as add_rms_norm rounds it
+        if pid == 0:
+            tl.store(normed + pk, row, mask=mk)
+            tl.store(hout + pk, to_dt(p_h, DT), mask=mk)
+        wt = tl.load(w + rn64[:, None] * s_w_n + pk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+        tl.store(y + rn, to_dt(tl.sum(wt.to(tl.float32) * row.to(tl.float32)[None, :], axis=1), DT), mask=mn)
+    else:
+        if NORM:
+            if DOT:                                      # [BM, KP] tiles of at most 4096 elements, two passes
+                ss = tl.zeros([BM, KP], tl.float32)
+                for p0 in range(0, K, KP):
+                    pk = p0 + tl.arange(0, KP)
+                    p_off, p_m = _offsets(rm, mm, pk, pk < K, s_x_m, True)
+                    p_h = _h_tile(x, res, p_off, p_m, DT)
+                    ss += p_h * p_h
+                inv = tl.rsqrt(tl.sum(ss, axis=1) / K + tl.cast(eps, tl.float32))   # [BM]; AOTI passes floats as fp64
+                for p0 in range(0, K, KP):
+                    pk = p0 + tl.arange(0, KP)
+                    p_off, p_m = _offsets(rm, mm, pk, pk < K, s_x_m, True)
+                    p_h = _h_tile(x, res, p_off, p_m, DT)
+                    wn = 1.0 + tl.load(nw + pk, mask=pk < K, other=0.0).to(tl.float32)
+                    tl.store(normed + p_off, to_dt(p_h * inv[:, None] * wn[None, :], DT), mask=p_m)
+                    if pid == 0:
+                        tl.store(hout + p_off, to_dt(p_h, DT), mask=p_m)
+            else:                                        # the whole row in one load
+                pk = tl.arange(0, KP)
+                p_h = _h_tile(x, res, pk, pk < K, DT)
+                inv = tl.rsqrt(tl.sum(p_h * p_h, axis=0) / K + tl.cast(eps, tl.float32))
                 wn = 1.0 + tl.load(nw + pk, mask=pk < K, other=0.0).to(tl.float32)
-                tl.store(normed + p_off, to_dt(p_h * inv[:, None] * wn[None, :], DT), mask=p_m)
+                tl.store(normed + pk, to_dt(p_h * inv * wn, DT), mask=pk < K)
                 if pid == 0:
-                    tl.store(hout + p_off, to_dt(p_h, DT), mask=p_m)
-        else:                                        # the whole row in one load
-            pk = tl.arange(0, KP)
-            p_h = _h_tile(x, res, pk, pk < K, DT)
-            inv = tl.rsqrt(tl.sum(p_h * p_h, axis=0) / K + tl.cast(eps, tl.float32))
-            wn = 1.0 + tl.load(nw + pk, mask=pk < K, other=0.0).to(tl.float32)
-            tl.store(normed + pk, to_dt(p_h * inv * wn, DT), mask=pk < K)
-            if pid == 0:
-                tl.store(hout + pk, to_dt(p_h, DT), mask=pk < K)
-        tl.debug_barrier()                           # this block's normed rows are written before it reads them
-        src = normed
-    else:
-        src = x
-    if DOT:
-        acc = tl.zeros([BM, BN], tl.float32)
-    else:
-        acc = tl.zeros([BN, BK], tl.float32)
-    for k0 in range(0, K, BK):
-        rk = k0 + tl.arange(0, BK)
-        mk = rk < K
-        off, m2 = _offsets(rm, mm, rk, mk, s_x_m, DOT)
-        xt = tl.load(src + off, mask=m2, other=0.0)
-        wt = tl.load(w + rn64[:, None] * s_w_n + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+                    tl.store(hout + pk, to_dt(p_h, DT), mask=pk < K)
+            tl.debug_barrier()                           # this block's normed rows are written before it reads them
+            src = normed
+        else:
+            src = x
         if DOT:
-            acc = mma(xt, tl.trans(wt), acc, DOT_F32)
-        else:                                        # M == 1: fp32 FMA into [BN, BK]
-            acc += wt.to(tl.float32) * xt.to(tl.float32)[None, :]
-    if DOT:
-        tl.store(y + rm[:, None] * s_y_m + rn[None, :], to_dt(acc, DT), mask=mm[:, None] & mn[None, :])
-    else:
-        tl.store(y + rn, to_dt(tl.sum(acc, axis=1), DT), mask=mn)
+            acc = tl.zeros([BM, BN], tl.float32)
+        else:
+            acc = tl.zeros([BN, BK], tl.float32)
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            mk = rk < K
+            off, m2 = _offsets(rm, mm, rk, mk, s_x_m, DOT)
+            xt = tl.load(src + off, mask=m2, other=0.0)
+            wt = tl.load(w + rn64[:, None] * s_w_n + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+            if DOT:
+                acc = mma(xt, tl.trans(wt), acc, DOT_F32)
+            else:                                        # M == 1: fp32 FMA into [BN, BK]
+                acc += wt.to(tl.float32) * xt.to(tl.float32)[None, :]
+        if DOT:
+            tl.store(y + rm[:, None] * s_y_m + rn[None, :], to_dt(acc, DT), mask=mm[:, None] & mn[None, :])
+        else:
+            tl.store(y + rn, to_dt(tl.sum(acc, axis=1), DT), mask=mn)
 
 
 # (BN, BK, num_warps, num_stages) by (M == 1, K): the tile with the least time per 35B decode step over
@@ -125,6 +142,16 @@ TILES = {
     (False, 4096): (16, 256, 4, 4),
 }
 DEFAULT_TILE = {True: (4, 128, 8, 3), False: (32, 128, 4, 4)}
+
+
+# add_rms_norm_linear at M = 1 (REGS): (BN, warps) with BK the whole row, up to NORM_ROW_MAX_K columns (a
+# [BN, K] weight tile in registers: 32 values a thread at (4, 2048, 8 warps)). A starting point by the bytes in
+# flight per program (16 KB, where the plain GEMV's best tile keeps 3 KB in its pipeline); not yet measured.
+NORM_ROW_TILE, NORM_ROW_MAX_K = (4, 8), 4096
+
+
+def norm_row_tile(K: int) -> tuple[int, int, int, int]:
+    return NORM_ROW_TILE[0], triton.next_power_of_2(K), NORM_ROW_TILE[1], 1
 
 
 def tile(M: int, K: int) -> tuple[int, int, int, int]:
@@ -144,15 +171,17 @@ def gemv(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, int] | None
     N = w.shape[0]
     x, w = x.contiguous(), w.contiguous()
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    bn, bk, warps, stages = cfg or tile(M, K)
+    regs = norm is not None and M == 1 and K <= NORM_ROW_MAX_K
+    bn, bk, warps, stages = cfg or (norm_row_tile(K) if regs else tile(M, K))
     if norm is None:
         res, nw, normed, h, eps = x, x, y, y, 0.0
     else:
         res, nw, eps = norm[0].contiguous(), norm[1], norm[2]
         normed, h = torch.empty_like(x), torch.empty_like(x)
+    KP = triton.next_power_of_2(K) if M == 1 else min(256, bk)
     launch(_gemv_kernel, (triton.cdiv(N, bn),), x, w, y, M, N, x.stride(0), w.stride(0), y.stride(0),
            res, nw, normed, h, eps, K=K, BM=1 if M == 1 else 16, BN=bn, BK=bk, DOT=M > 1,
-           DOT_F32=INTERPRETED, NORM=norm is not None, KP=triton.next_power_of_2(K) if M == 1 else min(256, bk),
+           DOT_F32=INTERPRETED, NORM=norm is not None, KP=KP, REGS=regs and bk == KP,
            num_warps=warps, num_stages=stages)
     return y if norm is None else (y, normed, h)
 
