@@ -118,7 +118,8 @@ class GraphExecutor:
         `load_timings_s` of the executor: wall seconds per stage, in order: Artifact.load's (artifact_files,
         checkpoint_files: runtime/artifact.py), check_fits, the weights' (weights_read, or weights_make,
         sha256_wait, weights_digest, weights_to_device: Artifact.load_weights), graph_packages and
-        graph_bind (AOTInductor packages loaded, weights bound; graphs: the onnx backend's whole load),
+        graph_bind (AOTInductor packages loaded, weights bound; graph_package:NAME each package's load, inside
+        graph_packages; graphs: the onnx backend's whole load),
         state, capture (CUDA graphs), link (tensor parallel), fixture. checkpoint_sha256_overlapped is
         the checkpoint hashing that ran during weights_make, not a stage of its own."""
         if max_slots < 1:
@@ -185,6 +186,7 @@ class GraphExecutor:
             loader_cls = native().Loader
         loaded = {name: AotiGraph(art.path / g["file"], weights, dev, loader_cls) for name, g in art.graphs.items()}
         timings["graph_packages"] = sum(g.load_s for g in loaded.values())
+        timings.update({f"graph_package:{name}": g.load_s for name, g in loaded.items()})   # apart, for the slow one
         timings["graph_bind"] = sum(g.bind_s for g in loaded.values())
         return {name: g.run for name, g in loaded.items()}, loaded
 
