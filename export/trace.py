@@ -59,9 +59,10 @@ def check_lowered(ep: torch.export.ExportedProgram, device_type: str) -> dict[st
     return hist
 
 
-def trace(model, spec: GraphSpec, device, kernels: str = "auto",
-          batch: torch.export.Dim | None = None) -> tuple[torch.export.ExportedProgram, dict]:
-    """batch: a decode graph's batch dim made symbolic over that Dim's range (entry.dynamic_shapes)."""
+def trace(model, spec: GraphSpec, device, kernels: str = "auto", batch: torch.export.Dim | None = None,
+          fold_norms: bool = True) -> tuple[torch.export.ExportedProgram, dict]:
+    """batch: a decode graph's batch dim made symbolic over that Dim's range (entry.dynamic_shapes).
+    fold_norms=False (benchmarks only: the before of a before/after pair) keeps the batch-1 input norms apart."""
     dev = torch.device(device)
     args = example_inputs(spec, dev)
     with torch.no_grad():
@@ -71,5 +72,6 @@ def trace(model, spec: GraphSpec, device, kernels: str = "auto",
         if dev.type != "cpu" and kernels == "auto":
             fold_state_writes(ep)          # the Triton kernels write decode state rows in place
             fold_kv_writes(ep)             # and the attention layers' KV-cache rows
-            fold_input_norms(ep)           # batch 1: a layer's input norm in its first projection's GEMV
+            if fold_norms:
+                fold_input_norms(ep)       # batch 1: a layer's input norm in its first projection's GEMV
     return ep, check_lowered(ep, dev.type)

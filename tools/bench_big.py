@@ -217,7 +217,8 @@ def lower(model, weights, kind: str, bucket: int, args, dev, r: dict, k: int = 0
     from onegraph.runtime.executor import AotiGraph
     dtype = model.embed_tokens.weight.dtype
     t = time.time()
-    ep, hist = trace(model, graph_spec(model, kind, bucket, args.max_seq_len, dtype, k), dev, args.kernels)
+    ep, hist = trace(model, graph_spec(model, kind, bucket, args.max_seq_len, dtype, k), dev, args.kernels,
+                     fold_norms=not args.no_fold_norms)
     r["trace_s"] = round(time.time() - t, 1)
     r["graph_nodes"] = sum(hist.values())
     if args.lower == "export":
@@ -394,6 +395,8 @@ def main(argv=None) -> int:
     ap.add_argument("--identical-experts", action="store_true",
                     help="copy expert 0 into every expert of each layer: a router flip then cannot change the "
                          "output, which separates routing flips from every other numeric difference")
+    ap.add_argument("--no-fold-norms", action="store_true",
+                    help="keep the batch-1 layer-input norms as kernels (export/fold_norm.py): the before of a pair")
     ap.add_argument("--router", default="random", choices=["random", "decisive"],
                     help="decisive: random routers with wide top-k margins (graphs/decisive.py), so parity rows "
                          "are not decided by router near-ties")
@@ -447,7 +450,8 @@ def main(argv=None) -> int:
            "shape": args.shape, "dtype": args.dtype, "lower": args.lower,
            "layers": len(ModelConfig.from_hf(hf).layer_types), "layers_full": args.layers_full,
            "position": args.position, "kernels": args.kernels, "fp32_reduce": args.fp32_reduce,
-           "identical_experts": args.identical_experts, "quant": args.quant, "router": args.router}
+           "identical_experts": args.identical_experts, "quant": args.quant, "router": args.router,
+           "fold_norms": not args.no_fold_norms}
     t = time.time()
     cfg = ModelConfig.from_hf(hf)
     model = random_model(cfg, dtype, dev, fp32_reduce=args.fp32_reduce,   # every rank: the same weights

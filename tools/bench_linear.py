@@ -3,6 +3,10 @@
     python -m onegraph.tools.bench_linear --out benchmarks/h200_linear.json
     python -m onegraph.tools.bench_linear --fp8 --rows 1 --out benchmarks/h200_linear_fp8.json
 
+--norm: add_rms_norm_linear at M = 1, the layer-input and post-attention norms folded into their projection
+(custom_ops/triton/linear.py REGS: the normed row in registers, the whole row one K tile), per (BN, warps),
+against the pair it replaces (the add_rms_norm kernel, then the GEMV at its tile) and the row-once form.
+
 --fp8: onegraph::linear_fp8's kernel (block-FP8 weights, custom_ops/triton/linear_fp8.py) on the FP8 model's
 projections (graphs/fuse.py: the GDN in_proj's FP8 run [qkv; z]; the attention's [q; k; v]; out/o_proj).
 
@@ -71,11 +75,58 @@ def time_calls(fn, ws, x, reps: int) -> float:
     return (time.perf_counter() - t) / reps / len(ws) * 1e6
 
 
+NORM_SHAPES = [("gdn_in_proj", 12352, 2048, 30), ("attn_qkv", 9216, 2048, 10), ("router", 257, 2048, 40)]
+# (BN, warps) with at most 64 weights a thread at K = 2048 (BN <= warps): more spills
+NORM_ROW_TILES = [(bn, w) for bn, w in itertools.product((1, 2, 4, 8), (2, 4, 8)) if bn <= w]
+
+
+def bench_norm(args, dev, bw) -> dict:
+    """--norm (module docstring): µs per call of each form, per shape, and the (BN, warps) with the least time per
+    decode step over the shapes' uses."""
+    import triton
+
+    from onegraph.custom_ops.triton import linear as lin
+    from onegraph.custom_ops.triton.norms import add_rms_norm_triton
+    rows, totals = [], {}
+    for name, N, K, uses in NORM_SHAPES:
+        copies = max(2, min(20, (800 << 20) // (2 * N * K)))
+        ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * K ** -0.5 for _ in range(copies)]
+        x, res = (torch.randn(1, K, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        nw = torch.randn(K, device=dev, dtype=torch.bfloat16) * 0.1
+        row = {"M": 1, "name": name, "N": N, "K": K, "MB": round(2 * N * K / 1e6, 1)}
+        pair = lambda a, w: lin.gemv(add_rms_norm_triton(a, res, nw, 1e-6)[0], w)     # noqa: E731
+        row["pair_us"] = round(time_calls(pair, ws, x, args.reps), 2)
+        row["row_once_us"] = round(time_calls(lambda a, w: lin.gemv(a, w, norm=(res, nw, 1e-6), cfg=lin.tile(1, K)),
+                                              ws, x, args.reps), 2)
+        per = {}
+        for bn, warps in NORM_ROW_TILES:
+            cfg = (bn, triton.next_power_of_2(K), warps, 1)
+            try:
+                per[(bn, warps)] = time_calls(lambda a, w: lin.gemv(a, w, norm=(res, nw, 1e-6), cfg=cfg), ws, x, args.reps)
+            except Exception as e:                          # a tile that does not compile: not a candidate
+                per[(bn, warps)] = float("inf")
+                row.setdefault("failed_tiles", []).append(f"{(bn, warps)}: {type(e).__name__}")
+            totals.setdefault((bn, warps), 0.0)
+            totals[(bn, warps)] += per[(bn, warps)] * uses
+        row["regs_us"] = {f"{bn},{w}": round(u, 2) for (bn, w), u in sorted(per.items(), key=lambda kv: kv[1])}
+        best = min(per, key=per.get)
+        row["regs_best"], row["regs_best_us"] = list(best), round(per[best], 2)
+        row["regs_best_bw"] = round(2 * N * K / (per[best] * 1e-6) / bw, 3)
+        row["regs_current"] = list(lin.NORM_ROW_TILE)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "regs_us"}), flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    best = min(totals, key=totals.get)
+    return {"rows": rows, "best_norm_row_tile": {"tile": list(best), "us_per_step": round(totals[best], 2)}}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,8", help="comma-separated M values")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--fp8", action="store_true", help="the block-FP8 projection kernel instead of the bf16 GEMV")
+    ap.add_argument("--norm", action="store_true", help="add_rms_norm_linear's one-row form (module docstring)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -88,6 +139,11 @@ def main(argv=None) -> int:
     res = {"command": "python -m onegraph.tools.bench_linear " + " ".join(sys.argv[1:] if argv is None else argv),
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_GBps": round(bw / 1e9, 1),
            "rows": []}
+    if args.norm:
+        res.update(bench_norm(args, dev, bw))
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=2)
+        return 0
     totals: dict = {}
     for M in [int(v) for v in args.rows.split(",")]:
         for name, N, K, uses in FP8_SHAPES if args.fp8 else SHAPES:
