@@ -105,6 +105,20 @@ def test_kernel_matches_reference(M, dtype, kind):
 
 @needs_triton
 @pytest.mark.parametrize("kind", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K", [300, 2048 + 64])
+def test_one_row_gemv_quantizing_its_row_is_the_two_kernel_path(K, dtype, kind):
+    """At M = 1 the GEMV finds the row's scale and quantizes each K tile itself (no _quant_rows launch): the same
+    8-bit values, scale and sums in the same order as _quant_rows + the GEMV, bit for bit. A zero row too (its
+    scale is 1). K = 2112 takes more than one of _quant_rows' 1024-wide passes."""
+    w, scale = _weight(72, K, kind, seed=K)
+    for x in (_x(1, K, dtype, seed=K) * 3.0, torch.zeros(1, K, dtype=dtype, device=DEVICE)):
+        fused, apart = w8.matmul(x, w, scale), w8.matmul(x, w, scale, fuse_quant=False)
+        assert torch.equal(fused, apart), (fused.float() - apart.float()).abs().max()
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
 @pytest.mark.parametrize("M", [1, 3])
 def test_concatenated_weight_is_bit_identical(M, kind):
     """Per-channel parts of any size concatenate with their scale rows: every column is the same sum as from

@@ -1,6 +1,7 @@
 """Triton lowerings of linear_w8a8_int8 and linear_w8a8_fp8 (contracts: custom_ops/linear_w8a8_{int8,fp8}.py).
 
-Two kernels per call, shared by both ops (INT selects int8 / e4m3):
+Two kernels per call, shared by both ops (INT selects int8 / e4m3); at M == 1 one (the GEMV quantizes its row,
+below):
 1. _quant_rows, grid (M,): one program per row of x [M, K]: amax over K, s_x = amax / QMAX (IEEE division,
    tl.math.div_rn, as torch), then xq = x / s_x rounded to the 8-bit type into a [M, K] buffer (2 x K bytes
    per row: negligible next to the weight). Rounding is done by hand in fp32 so the compiled kernel and
@@ -44,33 +45,47 @@ def _rne_e4m3(v):
 
 
 @triton.jit
-def _quant_rows(x, xq, sx, s_x_m, s_q_m, K: tl.constexpr, BK: tl.constexpr, QMAX: tl.constexpr,
-                INT: tl.constexpr):
-    m = tl.program_id(0)
+def _row_scale(x_row, K: tl.constexpr, BK: tl.constexpr, QMAX: tl.constexpr):
+    """s_x of one row of x [K]: amax / QMAX (IEEE division, as torch), 1 for a zero row."""
     amax = tl.zeros([BK], tl.float32)
     for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
-        v = tl.load(x + m * s_x_m + rk, mask=rk < K, other=0.0).to(tl.float32)
+        v = tl.load(x_row + rk, mask=rk < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(v))
     a = tl.max(amax, axis=0)
-    s = tl.where(a > 0, tl.math.div_rn(a, QMAX), 1.0)
+    return tl.where(a > 0, tl.math.div_rn(a, QMAX), 1.0)
+
+
+@triton.jit
+def _quantize(v, s, QMAX: tl.constexpr, INT: tl.constexpr):
+    """fp32 v / s rounded to the 8-bit type (int8 | e4m3), clamped to +-QMAX."""
+    v = tl.minimum(tl.maximum(tl.math.div_rn(v, s), -QMAX), QMAX)
+    if INT:
+        return ((v + 12582912.0) - 12582912.0).to(tl.int8)       # 12582912 = 1.5 * 2**23: round half to even
+    else:
+        return _rne_e4m3(v).to(tl.float8e4nv)
+
+
+@triton.jit
+def _quant_rows(x, xq, sx, s_x_m, s_q_m, K: tl.constexpr, BK: tl.constexpr, QMAX: tl.constexpr,
+                INT: tl.constexpr):
+    m = tl.program_id(0)
+    s = _row_scale(x + m * s_x_m, K, BK, QMAX)
     tl.store(sx + m, s)
     for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
         mk = rk < K
         v = tl.load(x + m * s_x_m + rk, mask=mk, other=0.0).to(tl.float32)
-        v = tl.minimum(tl.maximum(tl.math.div_rn(v, s), -QMAX), QMAX)
-        if INT:
-            q = ((v + 12582912.0) - 12582912.0).to(tl.int8)       # 12582912 = 1.5 * 2**23: round half to even
-        else:
-            q = _rne_e4m3(v).to(tl.float8e4nv)
-        tl.store(xq + m * s_q_m + rk, q, mask=mk)
+        tl.store(xq + m * s_q_m + rk, _quantize(v, s, QMAX, INT), mask=mk)
 
 
 @triton.jit
 def _w8a8_kernel(xq, w, sx, sw, y, M, N, s_x_m, s_w_n, s_y_m, K: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, INT: tl.constexpr):
-    """y[m-tile, n-tile] = (xq[m-tile] @ w[n-tile].T) * sx[m] * sw[n]; xq, w contiguous along K."""
+                 BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, INT: tl.constexpr,
+                 QIN: tl.constexpr, QBK: tl.constexpr, QMAX: tl.constexpr):
+    """y[m-tile, n-tile] = (xq[m-tile] @ w[n-tile].T) * sx[m] * sw[n]; xq, w contiguous along K.
+    QIN (M == 1): xq is the float row itself; the program finds its scale (_row_scale, QBK-wide passes) and
+    quantizes each K tile as it loads it (_quantize), the values _quant_rows would have written (sx unused)."""
     pid_n = tl.program_id(0)
     DT: tl.constexpr = y.dtype.element_ty
     ACC: tl.constexpr = tl.int32 if INT else tl.float32
@@ -92,14 +107,21 @@ def _w8a8_kernel(xq, w, sx, sw, y, M, N, s_x_m, s_w_n, s_y_m, K: tl.constexpr, B
         out = (acc.to(tl.float32) * sxv[:, None]) * swv[None, :]
         tl.store(y + rm[:, None] * s_y_m + rn[None, :], to_dt(out, DT), mask=mm[:, None] & mn[None, :])
     else:
+        if QIN:
+            s_row = _row_scale(xq, K, QBK, QMAX)
+        else:
+            s_row = tl.load(sx)
         acc = tl.zeros([BN, BK], ACC)
         for k0 in range(0, K, BK):
             rk = k0 + tl.arange(0, BK)
             mk = rk < K
-            xv = tl.load(xq + rk, mask=mk, other=0.0).to(ACC)
+            if QIN:
+                xv = _quantize(tl.load(xq + rk, mask=mk, other=0.0).to(tl.float32), s_row, QMAX, INT).to(ACC)
+            else:
+                xv = tl.load(xq + rk, mask=mk, other=0.0).to(ACC)
             wt = tl.load(w + rn64[:, None] * s_w_n + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
             acc += wt.to(ACC) * xv[None, :]
-        out = (tl.sum(acc, axis=1).to(tl.float32) * tl.load(sx)) * swv
+        out = (tl.sum(acc, axis=1).to(tl.float32) * s_row) * swv
         tl.store(y + rn, to_dt(out, DT), mask=mn)
 
 
@@ -121,25 +143,41 @@ def quantize_rows(x: torch.Tensor, integer: bool) -> tuple[torch.Tensor, torch.T
     x = x.contiguous()
     xq = torch.empty((M, K), dtype=torch.int8 if integer else torch.float8_e4m3fn, device=x.device)
     sx = torch.empty((M,), dtype=torch.float32, device=x.device)
-    launch(_quant_rows, (M,), x, xq, sx, x.stride(0), xq.stride(0), K=K, BK=min(1024, triton.next_power_of_2(K)),
-           QMAX=127.0 if integer else 448.0, INT=integer, num_warps=4)
+    launch(_quant_rows, (M,), x, xq, sx, x.stride(0), xq.stride(0), K=K, BK=quant_bk(K),
+           QMAX=qmax(integer), INT=integer, num_warps=4)
     return xq, sx
 
 
+def quant_bk(K: int) -> int:
+    return min(1024, triton.next_power_of_2(K))
+
+
+def qmax(integer: bool) -> float:
+    return 127.0 if integer else 448.0
+
+
 def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
-           cfg: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """x [M, K] float, w [N, K] int8 | e4m3, scale [N, 1] fp32 -> [M, N] x.dtype (cfg: benchmarks only)."""
+           cfg: tuple[int, int, int, int, int] | None = None, fuse_quant: bool = True) -> torch.Tensor:
+    """x [M, K] float, w [N, K] int8 | e4m3, scale [N, 1] fp32 -> [M, N] x.dtype (cfg: benchmarks only).
+    M == 1: one launch, the GEMV quantizing the row itself (QIN); fuse_quant=False (tests, benchmarks) runs
+    _quant_rows first as M > 1 does. At batch 1 that kernel was 80 of a 35B INT8 step's launches, 0.18 of
+    3.28 ms on the H200 (benchmarks/h200_35b_int8_bs1.json); every GEMV program re-reading the row (4-8 KB,
+    from L1 / L2) for its scale is the price."""
     M, K = x.shape
     N = w.shape[0]
     integer = w.dtype == torch.int8
-    xq, sx = quantize_rows(x, integer)
+    dot = M > 1
+    qin = fuse_quant and not dot
+    if qin:
+        xq, sx = x.contiguous(), scale                  # sx: unused by the kernel (QIN finds the row's scale)
+    else:
+        xq, sx = quantize_rows(x, integer)
     w, scale = w.contiguous(), scale.contiguous()
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     bm, bn, bk, warps, stages = cfg or tile(M, K)
-    dot = M > 1
     launch(_w8a8_kernel, (triton.cdiv(N, bn), triton.cdiv(M, bm) if dot else 1), xq, w, sx, scale, y, M, N,
            xq.stride(0), w.stride(0), y.stride(0), K=K, BM=bm, BN=bn, BK=bk, DOT=dot, INT=integer,
-           num_warps=warps, num_stages=stages)
+           QIN=qin, QBK=quant_bk(K), QMAX=qmax(integer), num_warps=warps, num_stages=stages)
     return y
 
 
