@@ -34,11 +34,9 @@ GEMV_TILES = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((4, 8, 16, 32
                                                                    (1, 3)) if bn * bk <= 16384]
 DOT_TILES = list(itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4)))
 FP8_SHAPES = [("gdn_in_proj_qkvz", 12288, 2048, 30), ("attn_qkv", 9216, 2048, 10), ("out_or_o_proj", 2048, 4096, 40)]
-# the FMA GEMV and the dot path at M = 1 (x padded to 16 rows on the tensor cores), each with the weight converted
-# by the conversion instructions or by bit operations (the sixth element: linear_fp8 _e4m3_bits_*)
-FP8_GEMV_TILES = [(1, bn, bk, w, s, b) for bn, bk, w, s, b in itertools.product((4, 8), (256, 512, 1024), (4, 8), (1, 3),
-                                                                                 (False, True))]
-FP8_GEMV_TILES += [(16, bn, 128, w, 3, b) for bn, w, b in itertools.product((64, 128), (4, 8), (False, True))]
+# the FMA GEMV and the dot path at M = 1 (x padded to 16 rows on the tensor cores)
+FP8_GEMV_TILES = [(1, bn, bk, w, s) for bn, bk, w, s in itertools.product((4, 8), (256, 512, 1024), (4, 8), (1, 3))]
+FP8_GEMV_TILES += [(16, bn, 128, w, 3) for bn, w in itertools.product((64, 128), (4, 8))]
 FP8_DOT_TILES = [(16, bn, bk, 4, s) for bn, bk, s in itertools.product((16, 32, 64), (64, 128), (3, 4))]
 
 

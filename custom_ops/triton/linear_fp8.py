@@ -35,32 +35,9 @@ from ._common import INTERPRETED, launch, mma, to_dt
 GEMV_MAX_M = 16
 
 
-POW60 = tl.constexpr(2.0 ** 60)
-
-
-@triton.jit
-def _e4m3_bits_bf16(q):
-    """e4m3 [..] -> bf16 holding exactly q * 2^-120, by integer operations on the bits (no conversion
-    instruction): sign to bit 15, exponent and mantissa (7 bits) to bits 4..10, so the 4-bit exponent field
-    (bias 7) lands in bf16's 8-bit one (bias 127) and every code, subnormals included, maps to its value
-    times 2^(7 - 127). A candidate for the bound the conversion sets (module docstring); benchmarks only."""
-    u = q.to(tl.int8, bitcast=True).to(tl.int16)    # sign-extended: the sign is bit 15 and bits 11..14 of u << 4
-    return ((u << 4) & -30736).to(tl.bfloat16, bitcast=True)                       # -30736 = 0x87F0 as int16
-
-
-@triton.jit
-def _e4m3_bits_f32(q):
-    """e4m3 [..] -> fp32 holding exactly q * 2^-120 (the same bits placed in an fp32: e4m3 subnormals become
-    fp32 subnormals, exact unless the GPU flushes them: the PTX has no .ftz, and
-    test_bit_conversion_candidate_is_bit_identical runs half-subnormal weights on the GPU too)."""
-    u = q.to(tl.int8, bitcast=True).to(tl.int32)    # sign-extended: one shift and one mask per element
-    return ((u << 20) & -2014314496).to(tl.float32, bitcast=True)                  # 0x87F00000 as int32
-
-
 @triton.jit
 def _fp8_kernel(x, w, s, y, M, N, s_x_m, s_w_n, s_s_n, s_y_m, K: tl.constexpr, SB: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr,
-                BITS: tl.constexpr):
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr):
     """y[m-tile, n-tile] = x[m-tile] @ (fp32(w) * s)[n-tile].T; x, w contiguous along K; SB = 128."""
     pid_n = tl.program_id(0)
     DT: tl.constexpr = y.dtype.element_ty
@@ -78,13 +55,8 @@ def _fp8_kernel(x, w, s, y, M, N, s_x_m, s_w_n, s_s_n, s_y_m, K: tl.constexpr, S
             xt = tl.load(x + rm[:, None] * s_x_m + rk[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
             wt = tl.load(w + rn64[:, None] * s_w_n + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
             st = tl.load(s + srow + k0 // SB, mask=mn, other=0.0)                          # [BN]
-            if BITS:                                 # bf16 x only (matmul checks): x 2^60, w 2^-120, exact
-                xb = (xt.to(tl.float32) * POW60).to(tl.bfloat16)
-                part = mma(xb, tl.trans(_e4m3_bits_bf16(wt)), tl.zeros([BM, BN], tl.float32), DOT_F32)
-                acc += part * (st * POW60)[None, :]
-            else:
-                part = mma(xt, tl.trans(wt.to(xt.dtype)), tl.zeros([BM, BN], tl.float32), DOT_F32)
-                acc += part * st[None, :]
+            part = mma(xt, tl.trans(wt.to(xt.dtype)), tl.zeros([BM, BN], tl.float32), DOT_F32)
+            acc += part * st[None, :]
         tl.store(y + rm[:, None] * s_y_m + rn[None, :], to_dt(acc, DT), mask=mm[:, None] & mn[None, :])
     else:
         # BN divides SB (tile()): the program's rows share one row of the scale table, so a K tile needs
@@ -97,10 +69,7 @@ def _fp8_kernel(x, w, s, y, M, N, s_x_m, s_w_n, s_s_n, s_y_m, K: tl.constexpr, S
             xv = tl.load(x + rk, mask=mk, other=0.0).to(tl.float32)
             wt = tl.load(w + rn64[:, None] * s_w_n + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
             st = tl.load(s + srow0 + rk // SB, mask=mk, other=0.0)                           # [BK]
-            if BITS:                                 # w 2^-120 from its bits; (2^60 s)(2^60 x) restores it
-                acc += (_e4m3_bits_f32(wt) * (st * POW60)[None, :]) * (xv * POW60)[None, :]
-            else:
-                acc += (wt.to(tl.float32) * st[None, :]) * xv[None, :]
+            acc += (wt.to(tl.float32) * st[None, :]) * xv[None, :]
         tl.store(y + rn, to_dt(tl.sum(acc, axis=1), DT), mask=mn)
 
 
@@ -123,17 +92,12 @@ def tile(M: int, K: int) -> tuple[int, int, int, int, int]:
 
 def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
            cfg: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """x [M, K] @ dequant(w [N, K], scale).T -> [M, N] x.dtype; cfg overrides the tile (benchmarks only; a
-    sixth element True converts the weight by bit operations, _e4m3_bits_*: a candidate bench_linear --fp8
-    measures against the conversion instructions)."""
+    """x [M, K] @ dequant(w [N, K], scale).T -> [M, N] x.dtype; cfg overrides the tile (benchmarks only)."""
     M, K = x.shape
     N = w.shape[0]
     x, w, scale = x.contiguous(), w.contiguous(), scale.contiguous()
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    bm, bn, bk, warps, stages, *bits = cfg or tile(M, K)
-    bits = bool(bits and bits[0])
-    if bits and x.dtype != torch.bfloat16:
-        raise ValueError("linear_fp8: the bit-conversion candidate takes bf16 activations only")
+    bm, bn, bk, warps, stages = cfg or tile(M, K)
     dot = bm > 1                                     # benchmarks may run the dot tiles at M = 1
     if dot and BLOCK % bk:
         raise ValueError(f"linear_fp8: the dot path needs a K tile dividing {BLOCK}, got {bk}")
@@ -141,7 +105,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
         raise ValueError(f"linear_fp8: the GEMV needs a row tile dividing {BLOCK}, got {bn}")
     launch(_fp8_kernel, (triton.cdiv(N, bn), triton.cdiv(M, bm) if dot else 1), x, w, scale, y, M, N,
            x.stride(0), w.stride(0), scale.stride(0), y.stride(0), K=K, SB=BLOCK, BM=bm, BN=bn, BK=bk, DOT=dot,
-           DOT_F32=INTERPRETED, BITS=bits, num_warps=warps, num_stages=stages)
+           DOT_F32=INTERPRETED, num_warps=warps, num_stages=stages)
     return y
 
 
