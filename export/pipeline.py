@@ -34,6 +34,7 @@ from tqdm import tqdm
 from onegraph.custom_ops import schema_versions
 from onegraph.custom_ops.sample import Sampling
 from onegraph.graphs.eager import generate_eager, router_margins
+from onegraph.graphs.fp32_compute import LOW, generate_eager_fp32
 from onegraph.graphs.fuse import fuse_projections
 from onegraph.graphs.load import check_checkpoint, model_dir, quant_method, resolve_dtype
 from onegraph.graphs.quant import QUANT_CHOICES, SCHEMES, resolve
@@ -151,11 +152,13 @@ def fixture(model, max_seq_len: int) -> dict[str, torch.Tensor]:
     the router's smallest top-k margin (k-th minus (k+1)-th router logit over every MoE layer and row,
     fp32): where it is near zero, a graph whose sums round differently (other kernels, a TP all-reduce)
     may route a row to another expert and legitimately diverge from that step on (runtime/fixture.py).
-    And `spread{i}`, fp32 [steps]: eager's own rounding spread, per step the max |logits| difference of
-    this one-shot run and a second eager run with the prompt prefilled in chunks of ceil(len / 2); NaN
-    from the step after the two runs' ids first differ (fed different tokens, they are no longer the
-    same computation). runtime/fixture.py widens the load-time tolerance to it where it exceeds the
-    dtype's: a graph rounds differently again, and a deep bf16 model spreads more than the fixed bound."""
+    And, for a bf16 / fp16 model, `gap{i}`, fp32 [steps]: per step the max |logits| difference of this run
+    and the same eager computation in fp32 over the same weights (graphs/fp32_compute.py); NaN from the
+    step after the two runs' ids first differ (fed different tokens, they are no longer the same
+    computation). runtime/fixture.py widens the load-time tolerance to twice it where that exceeds the
+    dtype's: a graph is another low-precision rounding of that fp32 computation, and a deep bf16 model
+    strays from it by more than the fixed bound. An fp32 model records no gap (it is 0 by definition).
+    """
     out = {}
     for i, p in enumerate(FIXTURE_PROMPTS):
         p = [t % model.cfg.vocab_size for t in p]
@@ -168,28 +171,23 @@ def fixture(model, max_seq_len: int) -> dict[str, torch.Tensor]:
         steps = len(r.token_ids)                # one forward per step (a one-shot prefill, then decodes)
         out[f"router_margin{i}"] = (torch.tensor(margins).view(steps, -1).amin(1) if margins
                                     else torch.full((steps,), float("inf")))      # a dense MLP: no router
-        out[f"spread{i}"] = eager_spread(model, p, r, max_seq_len)
+        if model.embed_tokens.weight.dtype in LOW:
+            out[f"gap{i}"] = fp32_gap(model, p, r, max_seq_len)
     return out
 
 
-def eager_spread(model, prompt: list[int], one_shot, max_seq_len: int) -> torch.Tensor:
-    """`one_shot` (generate_eager's result for `prompt`) vs eager again with the prompt prefilled in two
-    chunks -> fp32 [steps] of per-step max |logit difference|, NaN after the first step whose ids differ.
-    Two chunks, not more: the least change that still runs other GEMM shapes (M = len/2 rows instead of
-    len), another split of the GDN chunked scan, and one round trip of every state tensor (conv and
-    recurrent GDN state, K/V cache) through its stored dtype between the chunks, as the runtime does for
-    a prompt longer than its prefill bucket; more chunks would add round trips the graph does not make
-    for these short prompts, and chunks of 1 would make the prefill a decode. A 1-token prompt cannot be
-    split: its spread is all zeros (the fixture's prompts have 3 or more)."""
-    steps = len(one_shot.token_ids)
-    chunked = generate_eager(model, prompt, steps, Sampling(), max_seq_len=max_seq_len,
-                             prefill_chunk=max(1, -(-len(prompt) // 2)))
-    spread = torch.full((steps,), float("nan"))
-    for s, (a, b) in enumerate(zip(one_shot.logits, chunked.logits)):
-        spread[s] = (a.float() - b.float()).abs().max().cpu()
-        if one_shot.token_ids[s] != chunked.token_ids[s]:
+def fp32_gap(model, prompt: list[int], low, max_seq_len: int) -> torch.Tensor:
+    """`low` (generate_eager's result for `prompt` on a bf16 / fp16 model) vs the same run computed in fp32
+    over the same weights -> fp32 [steps] of per-step max |logit difference|, NaN after the first step
+    whose ids differ."""
+    steps = len(low.token_ids)
+    ref = generate_eager_fp32(model, prompt, steps, Sampling(), max_seq_len=max_seq_len)
+    gap = torch.full((steps,), float("nan"))
+    for s, (a, b) in enumerate(zip(low.logits, ref.logits)):
+        gap[s] = (a.float() - b.float()).abs().max().cpu()
+        if low.token_ids[s] != ref.token_ids[s]:
             break                               # this step's logits are comparable, the next inputs differ
-    return spread
+    return gap
 
 
 def export(model_spec: str, out_dir: str | Path, opts: ExportOptions, progress: bool = True, *,

@@ -48,11 +48,12 @@ def i64(values, device) -> torch.Tensor:
 @torch.no_grad()
 def generate_eager(model: Qwen35Model, prompt_ids: list[int], max_new_tokens: int,
                    sampling: Sampling | None = None, stop_ids=(), max_seq_len: int | None = None,
-                   prefill_chunk: int | None = None) -> EagerResult:
-    """Prefill the prompt (in chunks of `prefill_chunk`, default one shot) into slot 0, then decode."""
+                   prefill_chunk: int | None = None, state_dtype: torch.dtype | None = None) -> EagerResult:
+    """Prefill the prompt (in chunks of `prefill_chunk`, default one shot) into slot 0, then decode.
+    state_dtype: the state's float dtype (default the model's; graphs/fp32_compute.py runs it in fp32)."""
     sp = sampling or Sampling()
     dev = model.inv_freq.device
-    dtype = model.embed_tokens.weight.dtype
+    dtype = state_dtype or model.embed_tokens.weight.dtype
     max_seq_len = max_seq_len or len(prompt_ids) + max_new_tokens
     state = new_state(model.cfg, 1, max_seq_len, dtype, dev, model.tp)   # tp > 1: this rank's heads
     slot = i64([0], dev)

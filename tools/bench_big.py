@@ -122,7 +122,7 @@ def step_parity(model, cap, state, last_tok, rows: list[int], pos, samp, dev, st
     """`steps` replayed steps, each next to one eager step from the same state (random weights, greedy),
     teacher-forced by the replay (its state and ids carry on): ids equal and the max fp32 logit
     difference over all of them (the artifact fixture's bf16 bound is 0.25, or twice eager's own measured
-    spread where larger: runtime/fixture.py fixture_tolerance), and per step."""
+    bf16-vs-fp32 gap where larger: runtime/fixture.py fixture_tolerance), and per step."""
     from onegraph.graphs.eager import router_margins
     from onegraph.runtime.executor import Sampling
     slots, per_step = torch.tensor(rows, device=dev), []

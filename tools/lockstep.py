@@ -10,7 +10,7 @@ compounds and each row is one step of the graph vs eager on the same inputs: ids
 difference, eager's smallest MoE router margin (a near-tie explains a flipped expert, see
 runtime/fixture.py) and the largest difference of every state tensor (conv / recurrent GDN state,
 K / V caches) of slot 0. The first row beyond the load-time fixture's tolerance (the dtype's, or
-eager's own recorded spread where wider: runtime/fixture.py fixture_tolerance) is `first_diff`.
+twice eager's recorded bf16-vs-fp32 gap where wider: runtime/fixture.py fixture_tolerance) is `first_diff`.
 
 Tensor parallel: every rank compares its own graphs with an eager model of its own weight shard, both
 running the same loop (no step broadcast: the collectives of the graphs, then those of eager, pair up
@@ -60,7 +60,7 @@ def lockstep(ex, prompt: list[int], steps: int) -> dict:
     from onegraph.runtime.executor import Sampling
     from onegraph.runtime.fixture import fixture_tolerance
     m = ex.artifact.manifest
-    # the load-time check's tolerance: the dtype's, or wider where eager's own recorded spread says so
+    # the load-time check's tolerance: the dtype's, or wider where eager's recorded fp32 gap says so
     tol, _, source, _ = fixture_tolerance(load_file(str(ex.artifact.fixture)), m["dtype"], m["options"].get("quant"))
     model, eager = eager_twin(ex)
     names = [t["name"] for t in m["state"]]
