@@ -87,29 +87,68 @@ def test_prefill_matches_reference(T, H, E, I, Is, top_k, hot, cold, dtype):
     assert torch.equal(got32, prefill_mod.fused_moe_prefill(args[0], w, idx, *args[2:7], args[1], torch.float32))
 
 
+def aten_pair_table(idx, w, E, BM):
+    """The pair table as aten ops (what fused_moe_prefill ran before its table kernel): per-token sort of the
+    experts, a stable argsort of the pairs by expert, per-expert counts, cumsums and a searchsorted."""
+    T, k = idx.shape
+    P = T * k
+    idx, perm = idx.sort(dim=1)
+    w_pair = w.gather(1, perm).reshape(P)
+    ids = idx.reshape(P)
+    src = torch.argsort(ids, stable=True)
+    counts = torch.zeros(E, dtype=torch.int64, device=ids.device).scatter_add(0, ids, torch.ones_like(ids))
+    seg_end = counts.cumsum(0)
+    seg_start = seg_end - counts
+    tiles = (counts + BM - 1) // BM
+    tile_end = tiles.cumsum(0)
+    tile_start = tile_end - tiles
+    b = torch.arange(-(-P // BM) + min(E, P), dtype=torch.int64, device=ids.device)
+    blk_e = torch.searchsorted(tile_end, b, right=True)
+    ec = blk_e.clamp(max=E - 1)
+    blk_row = seg_start[ec] + (b - tile_start[ec]) * BM
+    blk_end = torch.where(blk_e < E, seg_end[ec], torch.zeros_like(blk_row))
+    return w_pair, (src, blk_e, blk_row, blk_end), ids
+
+
 @needs_triton
-def test_block_table_covers_every_row_once():
-    """The aten block table: each used block lies inside one expert's run of sorted rows, the used
-    blocks tile every row exactly once, unused blocks are empty, and NB is the static bound."""
-    g = torch.Generator().manual_seed(0)
-    E, BM = 6, 4
-    ids = torch.cat([torch.full((9,), 2), torch.full((4,), 5), torch.randint(0, 2, (7,), generator=g)])
-    ids = ids[torch.randperm(ids.numel(), generator=g)]          # experts 3, 4 idle; 2 spans 3 blocks
-    src, blk_e, blk_row, blk_end = prefill_mod._block_table(ids, E, BM)
+@pytest.mark.parametrize("T,E,k,hot", [(20, 6, 2, 2), (37, 16, 4, None), (3, 8, 3, None), (130, 64, 8, 5)])
+def test_pair_table_kernel_is_the_aten_table(T, E, k, hot):
+    """routed_table (one Triton kernel) gives exactly the aten table: weights per pair, rows sorted by expert
+    then token, blocks (idle experts, an expert spanning several blocks, the unused tail). Then the table's
+    own properties: each used block inside one expert's run, every row covered once, unused blocks empty."""
+    g = torch.Generator().manual_seed(T)
+    logits = torch.randn(T, E, generator=g)
+    if hot is not None:
+        logits[:, hot] += 4.0                               # one expert in every token: several blocks
+    logits[:, 1] -= 9.0                                     # an idle expert
+    w, idx = route(logits.to(BF16), k)
+    idx, w = idx.to(DEVICE), w.to(DEVICE)
+    w_pair, (src, blk_e, blk_row, blk_end, BM) = prefill_mod.routed_table(idx, w, E)
+    want_w, want, ids = aten_pair_table(idx.cpu(), w.cpu(), E, BM)
+    assert torch.equal(w_pair.cpu(), want_w)
+    for got, ref, name in zip((src, blk_e, blk_row, blk_end), want, ("src", "blk_e", "blk_row", "blk_end")):
+        assert torch.equal(got.cpu(), ref), (name, got.tolist(), ref.tolist())
+    src, blk_e, blk_row, blk_end = (t.cpu() for t in (src, blk_e, blk_row, blk_end))
     R = ids.numel()
-    assert blk_e.numel() == -(-R // BM) + min(E, R)
-    assert torch.equal(ids[src], ids.sort(stable=True).values)
-    assert (src.diff()[ids[src][1:] == ids[src][:-1]] > 0).all()   # within an expert: original order
     seen = torch.zeros(R, dtype=torch.int64)
     for e, r0, r1 in zip(blk_e.tolist(), blk_row.tolist(), blk_end.tolist()):
         if e == E:
-            assert r1 <= r0                                      # unused: exits at once
+            assert r1 <= r0
             continue
         rows = torch.arange(r0, min(r0 + BM, r1))
         assert rows.numel() > 0 and (ids[src[rows]] == e).all()
         seen[rows] += 1
     assert (seen == 1).all()
-    assert (blk_e == E).sum() == blk_e.numel() - sum(-(-int((ids == e).sum()) // BM) for e in range(E))
+
+
+@needs_triton
+def test_dense_table_is_one_group():
+    """The shared expert's table: the aten table of T pairs of one expert."""
+    for T in (1, 5, 64, 200):
+        src, blk_e, blk_row, blk_end, BM = prefill_mod.dense_table(T, prefill_mod.BM_MAX, DEVICE)
+        _, want, _ = aten_pair_table(torch.zeros(T, 1, dtype=torch.int64), torch.ones(T, 1), 1, BM)
+        for got, ref in zip((src, blk_e, blk_row, blk_end), want):
+            assert torch.equal(got.cpu(), ref), (T, got.tolist(), ref.tolist())
 
 
 @needs_triton

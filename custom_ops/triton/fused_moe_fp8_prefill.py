@@ -19,7 +19,8 @@ import triton.language as tl
 
 from ..linear_fp8 import BLOCK
 from ._common import INTERPRETED, launch, mma, next_pow2, rnd, to_dt
-from .fused_moe_prefill import BH_COMBINE, BK_MAX, BM_MAX, BN_MAX, _block_table, _combine_kernel, _strides3, _tile
+from .fused_moe_prefill import (BH_COMBINE, BK_MAX, BM_MAX, BN_MAX, _combine_kernel, _strides3, _tile, dense_table,
+                                routed_table)
 
 
 @triton.jit
@@ -105,20 +106,20 @@ def _strides2(t: torch.Tensor):
     return t.stride()[:2] if t.dim() == 3 else (0, t.stride(0))
 
 
-def _grouped_swiglu(x, ids, E, wg, wu, sg, su, u0, ub0, N, topk):
-    R, H = ids.shape[0], x.shape[1]
-    BM = _tile(triton.cdiv(R, E), BM_MAX)
-    src, blk_e, blk_row, blk_end = _block_table(ids, E, BM)
+def _grouped_swiglu(x, table, wg, wu, sg, su, u0, ub0, N, topk):
+    src, blk_e, blk_row, blk_end, BM = table
+    R, H = src.shape[0], x.shape[1]
     act = torch.empty((R, N), dtype=x.dtype, device=x.device)
     BN, BK = _tile(N, BN_MAX), _tile(H, BK_MAX)
     launch(_grouped_swiglu_fp8_kernel, (blk_e.shape[0], triton.cdiv(N, BN)),
            x, src, blk_e, blk_row, blk_end, wg, wu, sg, su, act,
            *x.stride(), *_strides3(wg), *_strides3(wu), *_strides2(sg), *_strides2(su), u0, ub0,
            H=H, N=N, TOPK=topk, SB=BLOCK, BM=BM, BN=BN, BK=BK, DOT_F32=INTERPRETED, num_warps=4)
-    return act, src, (blk_e, blk_row, blk_end), BM
+    return act
 
 
-def _grouped_down(act, src, blocks, BM, wd, sd, wts, out):
+def _grouped_down(act, table, wd, sd, wts, out):
+    src, *blocks, BM = table
     K, H = act.shape[1], out.shape[1]
     BN, BK = _tile(H, BN_MAX), _tile(K, BK_MAX)
     launch(_grouped_down_fp8_kernel, (blocks[0].shape[0], triton.cdiv(H, BN)),
@@ -140,20 +141,16 @@ def fused_moe_fp8_prefill(x, w, idx, gate_up, gate_up_scale, down, down_scale, s
     P = T * k
     gus, ds, sgs, sus, sds = (s.contiguous() for s in (gate_up_scale, down_scale, shared_gate_scale,
                                                        shared_up_scale, shared_down_scale))
-    idx, perm = idx.sort(dim=1)                                      # [T, k] ascending expert per token
-    w = w.gather(1, perm).reshape(P).contiguous()
-    ids = idx.reshape(P).contiguous()
+    w_pair, table = routed_table(idx, w, E)                          # fused_moe_prefill's pair table
 
-    act, src, blocks, BM = _grouped_swiglu(x, ids, E, gate_up, gate_up, gus, gus, u0=I, ub0=triton.cdiv(I, BLOCK),
-                                           N=I, topk=k)
+    act = _grouped_swiglu(x, table, gate_up, gate_up, gus, gus, u0=I, ub0=triton.cdiv(I, BLOCK), N=I, topk=k)
     y_pair = torch.empty((P, H), dtype=out_dtype, device=x.device)
-    _grouped_down(act, src, blocks, BM, down, ds, w, y_pair)
+    _grouped_down(act, table, down, ds, w_pair, y_pair)
 
-    zeros = torch.zeros(T, dtype=torch.int64, device=x.device)
-    act_sh, src_sh, blocks_sh, BM_sh = _grouped_swiglu(x, zeros, 1, shared_gate, shared_up, sgs, sus, u0=0, ub0=0,
-                                                        N=Is, topk=1)
+    shared = dense_table(T, BM_MAX, x.device)
+    act_sh = _grouped_swiglu(x, shared, shared_gate, shared_up, sgs, sus, u0=0, ub0=0, N=Is, topk=1)
     y_sh = torch.empty((T, H), dtype=out_dtype, device=x.device)
-    _grouped_down(act_sh, src_sh, blocks_sh, BM_sh, shared_down, sds, None, y_sh)
+    _grouped_down(act_sh, shared, shared_down, sds, None, y_sh)
 
     y = torch.empty((T, H), dtype=out_dtype, device=x.device)
     BH = min(BH_COMBINE, next_pow2(H))

@@ -6,12 +6,11 @@ shared_up [Is, H]; shared_down [H, Is]; logits [T, E + 1] (its last column the s
 logit). P = T*k (token, expert) pairs.
 
 Algorithm (grouped GEMM over expert-sorted pairs; every shape static, so export/AOTInductor trace it):
- 0. aten: sort each token's k experts ascending (pair p = t*k + j is then the token's j-th smallest
-    expert id: the order in which the reference adds the experts up).
- 1. aten block table (`_block_table`): stable argsort of the pairs by expert -> src [P] (sorted row ->
-    pair); per-expert counts (scatter_add), their cumsums, and for each of NB = cdiv(P, BM) + min(E, P)
-    blocks (a static upper bound on sum_e cdiv(count_e, BM)) its expert and row range [row, end) in the
-    sorted order. Blocks past the last tile get end = 0 and exit at once.
+ 0-1. `_pair_table_kernel` (routed_table), grid (E,): pair p = t*k + j is token t's j-th smallest expert
+    id (the order in which the reference adds the experts up), w_pair [P] its weight; src [P] (sorted row
+    -> pair, by expert then token) and for each of NB = cdiv(P, BM) + min(E, P) blocks (a static upper
+    bound on sum_e cdiv(count_e, BM)) its expert and row range [row, end) in the sorted order. Blocks past
+    the last tile get end = 0 and exit at once.
  2. `_grouped_swiglu_kernel`, grid (NB, cdiv(I, BN)): act[r] = silu(x[tok] . gate_e) * (x[tok] . up_e)
     for the BM sorted rows r of one expert: tl.dot tiles [BM, BK] x [BK, BN] (tensor cores).
  3. `_grouped_down_kernel`, grid (NB, cdiv(H, BN)): y[pair] = rnd(rnd(act[r] . down_e) * w[pair]),
@@ -138,24 +137,93 @@ def _tile(n: int, cap: int) -> int:
     return min(cap, max(16, next_pow2(n)))
 
 
-def _block_table(ids: torch.Tensor, E: int, BM: int):
-    """ids [R] int64 in [0, E) -> src [R] (sorted row -> original row: by id, then row), and per block
-    b < NB = cdiv(R, BM) + min(E, R): blk_e [NB] (its group id), blk_row [NB], blk_end [NB] (its rows
-    [row, min(row + BM, end)) of src). Unused blocks: end = 0 <= row. Static shapes throughout."""
-    R = ids.shape[0]
-    src = torch.argsort(ids, stable=True)                                            # [R]
-    counts = torch.zeros(E, dtype=torch.int64, device=ids.device).scatter_add(0, ids, torch.ones_like(ids))
-    seg_end = counts.cumsum(0)                                                       # [E] rows per group
-    seg_start = seg_end - counts
-    tiles = (counts + BM - 1) // BM                                                  # [E] blocks per group
-    tile_end = tiles.cumsum(0)
-    tile_start = tile_end - tiles
-    b = torch.arange(triton.cdiv(R, BM) + min(E, R), dtype=torch.int64, device=ids.device)   # [NB]
-    blk_e = torch.searchsorted(tile_end, b, right=True)                              # [NB] in [0, E]
-    ec = blk_e.clamp(max=E - 1)
-    blk_row = seg_start[ec] + (b - tile_start[ec]) * BM
-    blk_end = torch.where(blk_e < E, seg_end[ec], torch.zeros_like(blk_row))
-    return src, blk_e, blk_row, blk_end
+@triton.jit
+def _pair_table_kernel(idx, w, w_pair, src, blk_e, blk_row, blk_end, T: tl.constexpr, NB: tl.constexpr,
+                       E: tl.constexpr, BE: tl.constexpr, K: tl.constexpr, BKK: tl.constexpr, BT: tl.constexpr,
+                       BM: tl.constexpr, BB: tl.constexpr):
+    """Program e (of E): expert e's part of the pair table (routed_table). Each program reads all of idx
+    [T, k] twice (a few KB, from L2): once for every expert's pair count (a histogram, so it knows where
+    its rows and blocks start), once for its own pairs in token order."""
+    e = tl.program_id(0)
+    ks = tl.arange(0, BKK)
+    mk = ks < K
+    es = tl.arange(0, BE)
+    counts = tl.zeros([BE], tl.int32)
+    for t0 in range(0, T, BT):
+        ts = t0 + tl.arange(0, BT)
+        m2 = (ts < T)[:, None] & mk[None, :]
+        ids = tl.load(idx + ts[:, None] * K + ks[None, :], mask=m2, other=0).to(tl.int32)        # [BT, BKK]
+        counts += tl.histogram(tl.reshape(ids, [BT * BKK]), BE)
+        counts -= tl.where(es == 0, BT * BKK - tl.sum(tl.sum(m2.to(tl.int32), axis=1), axis=0), 0)  # masked: 0s
+    seg_end = tl.cumsum(counts, 0)                   # [BE] rows of experts <= e, in the sorted order
+    tiles = (counts + BM - 1) // BM
+    tile_end = tl.cumsum(tiles, 0)
+    me = es == e
+    cnt = tl.sum(tl.where(me, counts, 0), axis=0)
+    row0 = tl.sum(tl.where(me, seg_end, 0), axis=0) - cnt
+    ntile = tl.sum(tl.where(me, tiles, 0), axis=0)
+    tile0 = tl.sum(tl.where(me, tile_end, 0), axis=0) - ntile
+    # blocks [tile0, tile0 + ntile) are e's; the last expert also writes the unused ones after them (expert
+    # E, no rows), with the row the aten table gave them: its own formula continued
+    last = e == E - 1
+    b_end = tl.where(last, NB, tile0 + ntile)
+    for b0 in range(0, NB, BB):                      # every block, masked to this program's (NB is small)
+        bs = b0 + tl.arange(0, BB)
+        mb = (bs >= tile0) & (bs < b_end)
+        used = bs < tile0 + ntile
+        tl.store(blk_e + bs, tl.where(used, e, E).to(tl.int64), mask=mb)
+        tl.store(blk_row + bs, (row0 + (bs - tile0) * BM).to(tl.int64), mask=mb)
+        tl.store(blk_end + bs, tl.where(used, row0 + cnt, 0).to(tl.int64), mask=mb)
+    # e's pairs in token order: a token picks e at most once; its pair is p = t*k + j with j the number of
+    # the token's experts below e (its experts ascending)
+    run = 0
+    for t0 in range(0, T, BT):
+        ts = t0 + tl.arange(0, BT)
+        mt = ts < T
+        m2 = mt[:, None] & mk[None, :]
+        ids = tl.load(idx + ts[:, None] * K + ks[None, :], mask=m2, other=E)                      # [BT, BKK]
+        sel = ids == e
+        has = tl.sum(sel.to(tl.int32), axis=1)                                                     # [BT] 0 | 1
+        j = tl.sum((ids < e).to(tl.int32), axis=1)
+        wv = tl.load(w + ts[:, None] * K + ks[None, :], mask=m2, other=0.0).to(tl.float32)
+        wt = tl.sum(tl.where(sel, wv, 0.0), axis=1)  # the one selected weight, exactly
+        p = ts * K + j
+        rank = run + tl.cumsum(has, 0) - has
+        tl.store(src + row0 + rank, p.to(tl.int64), mask=has > 0)
+        tl.store(w_pair + p, wt.to(w_pair.dtype.element_ty), mask=has > 0)
+        run += tl.sum(has, axis=0)
+
+
+def routed_table(idx: torch.Tensor, w: torch.Tensor, E: int):
+    """The routed pairs' grouping, one launch (_pair_table_kernel, grid (E,)). idx, w [T, k] (route: a token's
+    k distinct experts and their weights) -> (w_pair [P], table): pair p = t*k + j is token t's j-th smallest
+    expert (the order in which the reference adds the experts up), w_pair[p] its weight; table = (src [P]:
+    sorted row -> pair, by expert then token; per block b < NB = cdiv(P, BM) + min(E, P) its expert blk_e
+    [NB] (E: unused), rows [blk_row, blk_end) of src (unused: end 0), BM). What an aten per-token sort, a
+    stable argsort, a scatter_add, cumsums and a searchsorted made before (tests keep that as the reference):
+    about 25 us a layer at T = 64 in Inductor's sort kernels."""
+    T, k = idx.shape
+    P = T * k
+    BM = _tile(triton.cdiv(P, E), BM_MAX)
+    NB = triton.cdiv(P, BM) + min(E, P)
+    idx, w = idx.contiguous(), w.contiguous()
+    w_pair = torch.empty(P, dtype=w.dtype, device=w.device)
+    src = torch.empty(P, dtype=torch.int64, device=w.device)
+    blk_e, blk_row, blk_end = (torch.empty(NB, dtype=torch.int64, device=w.device) for _ in range(3))
+    launch(_pair_table_kernel, (E,), idx, w, w_pair, src, blk_e, blk_row, blk_end, T=T, NB=NB,
+           E=E, BE=next_pow2(E), K=k, BKK=next_pow2(k), BT=max(16, min(64, next_pow2(T))), BM=BM, BB=64,
+           num_warps=4)
+    return w_pair, (src, blk_e, blk_row, blk_end, BM)
+
+
+def dense_table(T: int, BM_cap: int, device) -> tuple:
+    """The shared expert's grouping: all T tokens one group, in order (the table routed_table's layout gives
+    for T pairs of one expert)."""
+    BM = _tile(T, BM_cap)
+    nb = triton.cdiv(T, BM)
+    b = torch.arange(nb + 1, dtype=torch.int64, device=device)
+    return (torch.arange(T, dtype=torch.int64, device=device), (b >= nb).to(torch.int64), b * BM,
+            torch.where(b < nb, T, 0), BM)
 
 
 def _strides3(t: torch.Tensor):
@@ -163,21 +231,21 @@ def _strides3(t: torch.Tensor):
     return t.stride() if t.dim() == 3 else (0, *t.stride())
 
 
-def _grouped_swiglu(x, ids, E, wg, wu, u0, N, topk):
-    """-> (act [R, N] in sorted order, src [R], block table) for rows ids [R] (pair p reads x[p // topk])."""
-    R, H = ids.shape[0], x.shape[1]
-    BM = _tile(triton.cdiv(R, E), BM_MAX)
-    src, blk_e, blk_row, blk_end = _block_table(ids, E, BM)
+def _grouped_swiglu(x, table, wg, wu, u0, N, topk):
+    """-> act [R, N] in sorted order for the rows of `table` (routed_table's; pair p reads x[p // topk])."""
+    src, blk_e, blk_row, blk_end, BM = table
+    R, H = src.shape[0], x.shape[1]
     act = torch.empty((R, N), dtype=x.dtype, device=x.device)
     BN, BK = _tile(N, BN_MAX), _tile(H, BK_MAX)
     launch(_grouped_swiglu_kernel, (blk_e.shape[0], triton.cdiv(N, BN)),
            x, src, blk_e, blk_row, blk_end, wg, wu, act,
            *x.stride(), *_strides3(wg), *_strides3(wu), u0,
            H=H, N=N, TOPK=topk, BM=BM, BN=BN, BK=BK, DOT_F32=INTERPRETED, num_warps=4)
-    return act, src, (blk_e, blk_row, blk_end), BM
+    return act
 
 
-def _grouped_down(act, src, blocks, BM, wd, wts, out):
+def _grouped_down(act, table, wd, wts, out):
+    src, *blocks, BM = table
     K, H = act.shape[1], out.shape[1]
     BN, BK = _tile(H, BN_MAX), _tile(K, BK_MAX)
     launch(_grouped_down_kernel, (blocks[0].shape[0], triton.cdiv(H, BN)),
@@ -197,20 +265,18 @@ def fused_moe_prefill(x, w, idx, gate_up, down, shared_gate, shared_up, shared_d
     E, I2, _ = gate_up.shape
     I, Is = I2 // 2, shared_gate.shape[0]
     P = T * k
-    idx, perm = idx.sort(dim=1)                                      # [T, k] ascending expert per token
-    w = w.gather(1, perm).reshape(P).contiguous()                    # [P] weight of pair p = t*k + j
-    ids = idx.reshape(P).contiguous()                                # [P] expert of pair p
+    w_pair, table = routed_table(idx, w, E)                          # [P] weight of pair p = t*k + j
 
     # routed experts: act [P, I] (sorted rows) -> y_pair [P, H] (pair order), each rnd(rnd(y) * w)
-    act, src, blocks, BM = _grouped_swiglu(x, ids, E, gate_up, gate_up, u0=I, N=I, topk=k)
+    act = _grouped_swiglu(x, table, gate_up, gate_up, u0=I, N=I, topk=k)
     y_pair = torch.empty((P, H), dtype=out_dtype, device=x.device)
-    _grouped_down(act, src, blocks, BM, down, w, y_pair)
+    _grouped_down(act, table, down, w_pair, y_pair)
 
     # shared expert: one group holding every token -> y_sh [T, H]
-    zeros = torch.zeros(T, dtype=torch.int64, device=x.device)
-    act_sh, src_sh, blocks_sh, BM_sh = _grouped_swiglu(x, zeros, 1, shared_gate, shared_up, u0=0, N=Is, topk=1)
+    shared = dense_table(T, BM_MAX, x.device)
+    act_sh = _grouped_swiglu(x, shared, shared_gate, shared_up, u0=0, N=Is, topk=1)
     y_sh = torch.empty((T, H), dtype=out_dtype, device=x.device)
-    _grouped_down(act_sh, src_sh, blocks_sh, BM_sh, shared_down, None, y_sh)
+    _grouped_down(act_sh, shared, shared_down, None, y_sh)
 
     y = torch.empty((T, H), dtype=out_dtype, device=x.device)
     BH = min(BH_COMBINE, next_pow2(H))
