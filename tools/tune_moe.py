@@ -46,8 +46,10 @@ def main(argv=None) -> int:
                 rand(g, Is, H, scale=H ** -0.5), rand(g, Is, H, scale=H ** -0.5), rand(g, H, Is, scale=Is ** -0.5),
                 rand(g, 1, H, scale=H ** -0.5)) for _ in range(args.copies)]
     base = (mod.BI1, mod.BH1, mod.W1, mod.BH2, mod.BI2, mod.W2)
-    k1 = list(itertools.product((2, 4, 8, 16), (128, 256, 512, 1024), (4, 8)))
-    k2 = list(itertools.product((2, 4, 8), (128, 256, 512), (2, 4, 8)))
+    # 1-2 warps too: a routed program's in-kernel routing is j + 1 block reductions, cheaper the fewer warps
+    # it spans, and smaller programs fit more per SM
+    k1 = list(itertools.product((2, 4, 8, 16), (128, 256, 512, 1024), (1, 2, 4, 8)))
+    k2 = list(itertools.product((2, 4, 8), (128, 256, 512), (1, 2, 4, 8)))
     res = {"command": "python -m onegraph.tools.tune_moe " + " ".join(sys.argv[1:] if argv is None else argv),
            "default": base, "copies": args.copies, "rows": []}
     fn = torch.ops.onegraph.fused_moe_triton
