@@ -38,8 +38,8 @@ def fold_input_norms(ep: torch.export.ExportedProgram) -> int:
     fused_op = torch.ops.onegraph.add_rms_norm_linear_triton.default
     folded = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or _qualname(node.target) != ADD_NORM:
-            continue
+        if node.op != "call_function" or _qualname(node.target) != ADD_NORM or len(node.args) != 4 or node.kwargs:
+            continue                                  # (x, residual, weight, eps), all positional as export writes
         outs = {u.args[1]: u for u in node.users if u.target is operator.getitem}
         if len(outs) != len(node.users) or 0 not in outs:
             continue
@@ -55,7 +55,7 @@ def fold_input_norms(ep: torch.export.ExportedProgram) -> int:
         if w_val.dtype != normed.meta["val"].dtype or w_val.shape[0] > MAX_ROWS:
             continue
         with graph.inserting_before(node):            # its inputs are node's and a weight: all defined by here
-            fused = graph.call_function(fused_op, (*node.args, weight), dict(node.kwargs))
+            fused = graph.call_function(fused_op, (*node.args, weight))
             y, h = (graph.call_function(operator.getitem, (fused, i)) for i in (0, 2))
         h_val = outs[1].meta["val"] if 1 in outs else node.meta["val"][1]
         fused.meta["val"] = (lin.meta["val"], normed.meta["val"], h_val)
