@@ -128,11 +128,16 @@ def causal_conv_update_triton(x: torch.Tensor, conv_state: torch.Tensor, slots: 
     return y, new_state
 
 
+# Channels per program of the update: 35B C = 8192 -> 32 programs at B = 1, 6 us a layer in the bs1 step on
+# the H200 for 48 KB of state (latency, not bytes). A module constant so a sweep can set it; not yet swept.
+UPDATE_BC = 256
+
+
 def run_update(x, conv_state, slots, weight, y, new_state) -> None:
     """The update launch: y [B, C] and the new rows, into new_state [B, C, W-1], or in place into conv_state's
     rows at slots when new_state is conv_state (gdn_decode_step_norm's in-place twin)."""
     B, C = x.shape
-    BC = min(256, next_pow2(C))
+    BC = min(UPDATE_BC, next_pow2(C))
     launch(_conv_update_kernel, (B, triton.cdiv(C, BC)), x, conv_state, slots, weight, y, new_state,
            *x.stride(), *conv_state.stride(), *weight.stride(), *new_state.stride(), C,
            W=weight.shape[1], BC=BC, BW=next_pow2(weight.shape[1]), IN_PLACE=new_state is conv_state, num_warps=4)
