@@ -5,6 +5,7 @@ Importing this package registers every op under `torch.ops.onegraph`.
 from ._registry import PYTHON_CALLS, REGISTRY, decompositions, schema_versions  # noqa: F401
 from .add_rms_norm import add_rms_norm  # noqa: F401
 from .add_rms_norm_linear import add_rms_norm_linear  # noqa: F401
+from .add_rms_norm_linear_fp8 import add_rms_norm_linear_fp8  # noqa: F401
 from .attention_decode import attention_decode  # noqa: F401
 from .attention_prefill import attention_prefill  # noqa: F401
 from .causal_conv_prefill import causal_conv_prefill  # noqa: F401

@@ -121,6 +121,12 @@ def case_linear_fp8(g):
     return [g.m(5, 160), (g.f(130, 160) * 8).to(torch.float8_e4m3fn), g.f(2, 2).abs() * 0.01]
 
 
+def case_add_rms_norm_linear_fp8(g):
+    """linear_fp8's weight and scales ([130, 160]: partial blocks) behind add_rms_norm of [5, 160] rows."""
+    return [g.m(5, 160), g.m(5, 160), g.m(160, scale=0.1), 1e-6, (g.f(130, 160) * 8).to(torch.float8_e4m3fn),
+            g.f(2, 2).abs() * 0.01]
+
+
 def case_linear_w8a8_int8(g):
     """w [130, 160] int8 per-channel; x in the model dtype (quantized per row inside the op)."""
     return [g.m(5, 160), (g.f(130, 160) * 60).round().clamp(-127, 127).to(torch.int8), g.f(130, 1).abs() * 0.01]
@@ -183,7 +189,8 @@ def test_every_registered_op_has_a_case():
 def test_opcheck(name):
     spec = REGISTRY[name]
     # torch 2.13's schema check compares each input before/after with allclose, which has no float8 CPU kernel
-    utils = (("test_faketensor",) if name in ("linear_fp8", "linear_w8a8_fp8", "fused_moe_fp8")
+    float8 = ("linear_fp8", "linear_w8a8_fp8", "fused_moe_fp8", "add_rms_norm_linear_fp8")
+    utils = (("test_faketensor",) if name in float8
              else ("test_schema", "test_faketensor"))
     torch.library.opcheck(spec.op, tuple(op_args(name)), test_utils=utils)
 
@@ -257,6 +264,9 @@ VALIDATION = [
     ("fused_moe_fp8", 10, torch.zeros(160, IS), "fused_moe_fp8 shared_down: expected dtype torch.float8_e4m3fn"),
     ("linear_fp8", 2, torch.zeros(1, 2), "linear_fp8 scale (one per 128x128 block of w): expected shape [2, 2]"),
     ("linear_fp8", 1, torch.zeros(130, 160), "linear_fp8 w: expected dtype torch.float8_e4m3fn"),
+    ("add_rms_norm_linear_fp8", 1, torch.zeros(5, 161), "add_rms_norm_linear_fp8 residual: expected shape [5, 160]"),
+    ("add_rms_norm_linear_fp8", 5, torch.zeros(1, 2), "linear_fp8 scale (one per 128x128 block of w): expected shape "
+                                                      "[2, 2]"),
     ("linear_w8a8_int8", 2, torch.zeros(130), "linear_w8a8_int8 scale (one per output channel of w): expected shape "
                                               "[130, 1]"),
     ("linear_w8a8_int8", 1, torch.zeros(130, 160), "linear_w8a8_int8 w: expected dtype torch.int8"),

@@ -134,3 +134,27 @@ def test_subnormal_codes_convert_exactly(M):
     y = lin8.matmul(x, w, scale)
     assert y.float().abs().max() > 0
     _check(y, x, w, scale)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 3])
+def test_add_rms_norm_linear_fp8_matches_reference(M, dtype):
+    """add_rms_norm_linear_fp8's lowering (one row: the normed row in registers, custom_ops/triton/linear_fp8.py
+    REGS; more rows: the norm kernel, then the projection): h is add_rms_norm's sum exactly, normed within one
+    rounding of the fp32 statistics, and y is the plain FP8 GEMV of those normed rows, bit for bit at one row
+    (its tile: the whole row one K tile, the same products in the same order), within the op's bound above."""
+    from onegraph.custom_ops.add_rms_norm_linear_fp8 import reference_add_rms_norm_linear_fp8
+    N, K = 200, 300
+    w, scale = _fp8_weight(N, K, seed=M)
+    x, res = _x(M, K, dtype, seed=M), _x(M, K, dtype, seed=M + 50)
+    nw = (_x(1, K, dtype, seed=M + 9)[0] * 0.1)
+    y, normed, h = torch.ops.onegraph.add_rms_norm_linear_fp8_triton(x, res, nw, 1e-6, w, scale)
+    y_ref, normed_ref, h_ref = reference_add_rms_norm_linear_fp8(x, res, nw, 1e-6, w, scale)
+    assert y.shape == (M, N) and torch.equal(h, h_ref)
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-6
+    assert ((normed.float() - normed_ref.float()).abs() <= ulp * normed_ref.float().abs() + 1e-30).all()
+    bn, warps = lin8.NORM_ROW_TILE
+    plain = lin8.matmul(normed, w, scale, cfg=(1, bn, 512, warps, 1) if M == 1 else None)
+    assert torch.equal(y, plain), (y.float() - plain.float()).abs().max()
+    _check(y, normed, w, scale)

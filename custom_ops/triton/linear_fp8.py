@@ -31,20 +31,39 @@ from torch.library import triton_op
 from .. import _registry
 from ..linear_fp8 import BLOCK, _validate
 from ._common import INTERPRETED, launch, mma, to_dt
+from .linear import _h_tile
 
 GEMV_MAX_M = 16
 
 
 @triton.jit
-def _fp8_kernel(x, w, s, y, M, N, s_x_m, s_w_n, s_s_n, s_y_m, K: tl.constexpr, SB: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr):
-    """y[m-tile, n-tile] = x[m-tile] @ (fp32(w) * s)[n-tile].T; x, w contiguous along K; SB = 128."""
+def _fp8_kernel(x, w, s, y, M, N, s_x_m, s_w_n, s_s_n, s_y_m, res, nw, normed, hout, eps, K: tl.constexpr,
+                SB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
+                DOT_F32: tl.constexpr, REGS: tl.constexpr):
+    """y[m-tile, n-tile] = x[m-tile] @ (fp32(w) * s)[n-tile].T; x, w contiguous along K; SB = 128.
+    REGS (add_rms_norm_linear_fp8 at M == 1, BK = next_pow2(K)): the rows multiplied are add_rms_norm's normed
+    row, made in registers as custom_ops/triton/linear.py's REGS path makes it (program 0 writes normed and h)."""
     pid_n = tl.program_id(0)
     DT: tl.constexpr = y.dtype.element_ty
     rn = pid_n * BN + tl.arange(0, BN)
     mn = rn < N
     rn64 = rn.to(tl.int64)                           # w offsets pass 2**31 for the vocab-sized projections
-    if DOT:
+    if REGS:
+        pk = tl.arange(0, BK)
+        mk = pk < K
+        p_h = _h_tile(x, res, pk, mk, DT)
+        inv = tl.rsqrt(tl.sum(p_h * p_h, axis=0) / K + tl.cast(eps, tl.float32))
+        wn = 1.0 + tl.load(nw + pk, mask=mk, other=0.0).to(tl.float32)
+        row = to_dt(p_h * inv * wn, DT)              # [BK]: the normed row, rounded as add_rms_norm rounds it
+        if pid_n == 0:
+            tl.store(normed + pk, row, mask=mk)
+            tl.store(hout + pk, to_dt(p_h, DT), mask=mk)
+        srow0 = (pid_n * BN // SB) * s_s_n           # BN divides SB: one row of the scale table (GEMV below)
+        wt = tl.load(w + rn64[:, None] * s_w_n + pk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+        st = tl.load(s + srow0 + pk // SB, mask=mk, other=0.0)
+        acc = (wt.to(tl.float32) * st[None, :]) * row.to(tl.float32)[None, :]
+        tl.store(y + rn, to_dt(tl.sum(acc, axis=1), DT), mask=mn)
+    elif DOT:
         srow = (rn // SB) * s_s_n                    # [BN] each row's block row in the scale table
         rm = tl.program_id(1) * BM + tl.arange(0, BM)
         mm = rm < M
@@ -77,8 +96,9 @@ def _fp8_kernel(x, w, s, y, M, N, s_x_m, s_w_n, s_s_n, s_y_m, K: tl.constexpr, S
 # and K for the GEMV. GEMV tiles: the least time per 35B decode step over the FP8 projections of that K,
 # `python -m onegraph.tools.bench_linear --fp8 --rows 1` on the H200 (benchmarks/h200_linear_fp8_gemv.json):
 # the fused GDN [qkv; z] (25.2 MB) in 11.1 us, attention [q; k; v] (18.9 MB) 9.8 (9.5 with its own best tile),
-# out/o_proj (8.4 MB, K = 4096) 6.0 — 33-54 % of copy bandwidth, where the first tiles (one scale per element) took 17-19 us. The limit is
-# not the bytes: every weight element is converted e4m3 -> fp32 (16 conversions per clock per SM on sm_90).
+# out/o_proj (8.4 MB, K = 4096) 6.0 — 33-54 % of copy bandwidth, where the first tiles (one scale per element)
+# took 17-19 us. The limit is not the bytes: every weight element is converted e4m3 -> fp32 (16 conversions per
+# clock per SM on sm_90).
 TILES = {("one", 2048): (1, 8, 1024, 4, 1), ("one", 4096): (1, 4, 1024, 4, 1),
          "one": (1, 8, 1024, 4, 1), "few": (16, 32, 128, 4, 4), "many": (64, 64, 128, 4, 3)}
 
@@ -90,13 +110,31 @@ def tile(M: int, K: int) -> tuple[int, int, int, int, int]:
     return bm, bn, max(floor, min(bk, triton.next_power_of_2(K))), warps, stages
 
 
+# add_rms_norm_linear_fp8 at M = 1 (REGS): (BN, warps), BK the whole row; BN divides 128. A starting point
+# (32 weights a thread at K = 2048, as linear.py's NORM_ROW_TILE); not yet measured.
+NORM_ROW_TILE = (4, 8)
+
+
 def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
-           cfg: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """x [M, K] @ dequant(w [N, K], scale).T -> [M, N] x.dtype; cfg overrides the tile (benchmarks only)."""
+           cfg: tuple[int, int, int, int, int] | None = None,
+           norm: tuple[torch.Tensor, torch.Tensor, float] | None = None):
+    """x [M, K] @ dequant(w [N, K], scale).T -> [M, N] x.dtype; cfg overrides the tile (benchmarks only).
+    norm = (residual [1, K], norm weight [K], eps), M == 1 only: add_rms_norm_linear_fp8's normed row instead
+    of x (REGS), returning (y, normed, x + residual)."""
     M, K = x.shape
     N = w.shape[0]
     x, w, scale = x.contiguous(), w.contiguous(), scale.contiguous()
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if norm is not None:
+        if M != 1:
+            raise ValueError(f"linear_fp8: the norm-row form takes one row, got {M}")
+        res, nw, eps = norm[0].contiguous(), norm[1], norm[2]
+        normed, h = torch.empty_like(x), torch.empty_like(x)
+        bn, warps = NORM_ROW_TILE
+        launch(_fp8_kernel, (triton.cdiv(N, bn), 1), x, w, scale, y, M, N, x.stride(0), w.stride(0), scale.stride(0),
+               y.stride(0), res, nw, normed, h, eps, K=K, SB=BLOCK, BM=1, BN=bn, BK=triton.next_power_of_2(K),
+               DOT=False, DOT_F32=INTERPRETED, REGS=True, num_warps=warps, num_stages=1)
+        return y, normed, h
     bm, bn, bk, warps, stages = cfg or tile(M, K)
     dot = bm > 1                                     # benchmarks may run the dot tiles at M = 1
     if dot and BLOCK % bk:
@@ -104,8 +142,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     if not dot and BLOCK % bn:
         raise ValueError(f"linear_fp8: the GEMV needs a row tile dividing {BLOCK}, got {bn}")
     launch(_fp8_kernel, (triton.cdiv(N, bn), triton.cdiv(M, bm) if dot else 1), x, w, scale, y, M, N,
-           x.stride(0), w.stride(0), scale.stride(0), y.stride(0), K=K, SB=BLOCK, BM=bm, BN=bn, BK=bk, DOT=dot,
-           DOT_F32=INTERPRETED, num_warps=warps, num_stages=stages)
+           x.stride(0), w.stride(0), scale.stride(0), y.stride(0), x, x, y, y, 0.0, K=K, SB=BLOCK, BM=bm, BN=bn,
+           BK=bk, DOT=dot, DOT_F32=INTERPRETED, REGS=False, num_warps=warps, num_stages=stages)
     return y
 
 
