@@ -45,6 +45,22 @@ def _h_tile(x, res, off, m2, DT: tl.constexpr):
 
 
 @triton.jit
+def _normed_row(x, res, nw, normed, hout, eps, pid, K: tl.constexpr, KP: tl.constexpr, DT: tl.constexpr):
+    """add_rms_norm's normed row of x + res [K] as a [KP] tensor in registers, rounded to DT where add_rms_norm
+    rounds it; program `pid` 0 also writes it to `normed` and x + res to `hout` (the REGS forms)."""
+    pk = tl.arange(0, KP)
+    mk = pk < K
+    p_h = _h_tile(x, res, pk, mk, DT)
+    inv = tl.rsqrt(tl.sum(p_h * p_h, axis=0) / K + tl.cast(eps, tl.float32))   # AOTI passes floats as fp64
+    wn = 1.0 + tl.load(nw + pk, mask=mk, other=0.0).to(tl.float32)
+    row = to_dt(p_h * inv * wn, DT)
+    if pid == 0:
+        tl.store(normed + pk, row, mask=mk)
+        tl.store(hout + pk, to_dt(p_h, DT), mask=mk)
+    return row
+
+
+@triton.jit
 def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps, K: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
                  DOT_F32: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, REGS: tl.constexpr):
@@ -69,15 +85,9 @@ def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps,
     rm = tl.arange(0, BM)
     mm = rm < M
     if REGS:                                         # NORM, M == 1, the whole row one tile (docstring)
+        row = _normed_row(x, res, nw, normed, hout, eps, pid, K, KP, DT)                        # [KP]
         pk = tl.arange(0, KP)
         mk = pk < K
-        p_h = _h_tile(x, res, pk, mk, DT)
-        inv = tl.rsqrt(tl.sum(p_h * p_h, axis=0) / K + tl.cast(eps, tl.float32))
-        wn = 1.0 + tl.load(nw + pk, mask=mk, other=0.0).to(tl.float32)
-        row = to_dt(p_h * inv * wn, DT)              # [KP]: the normed row, rounded as add_rms_norm rounds it
-        if pid == 0:
-            tl.store(normed + pk, row, mask=mk)
-            tl.store(hout + pk, to_dt(p_h, DT), mask=mk)
         wt = tl.load(w + rn64[:, None] * s_w_n + pk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
         tl.store(y + rn, to_dt(tl.sum(wt.to(tl.float32) * row.to(tl.float32)[None, :], axis=1), DT), mask=mn)
     else:

@@ -31,7 +31,7 @@ from torch.library import triton_op
 from .. import _registry
 from ..linear_fp8 import BLOCK, _validate
 from ._common import INTERPRETED, launch, mma, to_dt
-from .linear import _h_tile
+from .linear import _normed_row
 
 GEMV_MAX_M = 16
 
@@ -49,15 +49,9 @@ def _fp8_kernel(x, w, s, y, M, N, s_x_m, s_w_n, s_s_n, s_y_m, res, nw, normed, h
     mn = rn < N
     rn64 = rn.to(tl.int64)                           # w offsets pass 2**31 for the vocab-sized projections
     if REGS:
+        row = _normed_row(x, res, nw, normed, hout, eps, pid_n, K, BK, DT)                      # [BK]
         pk = tl.arange(0, BK)
         mk = pk < K
-        p_h = _h_tile(x, res, pk, mk, DT)
-        inv = tl.rsqrt(tl.sum(p_h * p_h, axis=0) / K + tl.cast(eps, tl.float32))
-        wn = 1.0 + tl.load(nw + pk, mask=mk, other=0.0).to(tl.float32)
-        row = to_dt(p_h * inv * wn, DT)              # [BK]: the normed row, rounded as add_rms_norm rounds it
-        if pid_n == 0:
-            tl.store(normed + pk, row, mask=mk)
-            tl.store(hout + pk, to_dt(p_h, DT), mask=mk)
         srow0 = (pid_n * BN // SB) * s_s_n           # BN divides SB: one row of the scale table (GEMV below)
         wt = tl.load(w + rn64[:, None] * s_w_n + pk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
         st = tl.load(s + srow0 + pk // SB, mask=mk, other=0.0)
