@@ -132,14 +132,10 @@ def test_kernels_equal_the_bf16_kernels_on_dequantized_weights(T, H, E, I, Is, t
 def test_route_first_is_bit_identical(T, monkeypatch):
     """In-kernel routing (below fused_moe.ROUTE_FIRST_FROM tokens) and _route_kernel first (from it on) give the
     FP8 kernels the same output bit for bit, at every T."""
-    from onegraph.custom_ops.triton import fused_moe as mod
+    from triton_env import routed_both_ways
     args, _ = fp8_args(T, 256, 16, 128, 128, 4, BF16, seed=30 + T, pow2=False)
-    default = ops.fused_moe_fp8_triton(*args)
-    outs = {}
-    for first in (False, True):
-        monkeypatch.setattr(mod, "PREROUTED", first)
-        outs[first] = ops.fused_moe_fp8_triton(*args)
-    assert torch.equal(outs[False], outs[True]) and torch.equal(default, outs[T >= mod.ROUTE_FIRST_FROM])
+    default, in_kernel, first, rule = routed_both_ways(ops.fused_moe_fp8_triton, args, monkeypatch)
+    assert torch.equal(in_kernel, first) and torch.equal(default, first if rule else in_kernel)
 
 
 @needs_triton

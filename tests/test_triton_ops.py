@@ -153,15 +153,11 @@ def test_fused_moe(T, H, E, I, Is, top_k, hot, dtype, fp32_out):
 def test_fused_moe_route_first_is_bit_identical(T, hot, monkeypatch):
     """The decode kernels route in-kernel below fused_moe.ROUTE_FIRST_FROM tokens and with _route_kernel first
     from it on (fused_moe.route_first): both ways must give the same output bit for bit, at every T."""
-    from onegraph.custom_ops.triton import fused_moe as mod
+    from triton_env import routed_both_ways
     args = moe_args(T, 40 if hot else 48, 8 if hot else 16, 24, 40, 2 if hot else 4, torch.bfloat16, seed=T,
                     hot_expert=hot) + [False]
-    default = ops.fused_moe_triton(*args)
-    outs = {}
-    for first in (False, True):
-        monkeypatch.setattr(mod, "PREROUTED", first)
-        outs[first] = ops.fused_moe_triton(*args)
-    assert torch.equal(outs[False], outs[True]) and torch.equal(default, outs[T >= mod.ROUTE_FIRST_FROM])
+    default, in_kernel, first, rule = routed_both_ways(ops.fused_moe_triton, args, monkeypatch)
+    assert torch.equal(in_kernel, first) and torch.equal(default, first if rule else in_kernel)
 
 
 @needs_triton

@@ -103,3 +103,17 @@ def run_package_script(path, template: str, ok_line: str) -> None:
     hint = "" if res.returncode != -11 else (
         "\nSIGSEGV: run with LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6) (docs/design.md)")
     assert res.returncode == 0 and ok_line in res.stdout, res.stdout[-3000:] + res.stderr[-6000:] + hint
+
+
+def routed_both_ways(op, args, monkeypatch):
+    """fused_moe's decode kernels run by `op` on `args` three ways: as the rule picks (fused_moe.route_first),
+    routing in-kernel and routing first (fused_moe.PREROUTED forced) -> (default, in_kernel, first, rule:
+    whether the rule routes first at these rows)."""
+    from onegraph.custom_ops.triton import fused_moe as mod
+    default = op(*args)
+    outs = {}
+    for first in (False, True):
+        monkeypatch.setattr(mod, "PREROUTED", first)
+        outs[first] = op(*args)
+    monkeypatch.setattr(mod, "PREROUTED", None)
+    return default, outs[False], outs[True], args[0].shape[0] >= mod.ROUTE_FIRST_FROM
