@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_env import CUDA, DEVICE, HAVE_TRITON, cuda_only, cuda_us, kernels, needs_triton  # noqa: F401
+from triton_env import CUDA, DEVICE, HAVE_TRITON, INTERPRETED, cuda_only, cuda_us, kernels, needs_triton  # noqa: F401
 
 from onegraph.custom_ops.linear_w8a8_fp8 import reference_linear_w8a8_fp8
 from onegraph.custom_ops.linear_w8a8_int8 import int_dot, reference_linear_w8a8_int8
@@ -54,10 +54,18 @@ def _float64(x, w, scale, qmax):
     return (q @ w.double().T) * s * scale.double().T
 
 
+# e4m3 x e4m3 on Hopper's tensor cores (the M > 1 dot path, compiled): the MMA aligns the products of one
+# instruction in reduced precision (custom_ops/triton/linear_w8a8.py); measured 1.1e-4 on the H200 at 17 rows
+MMA_FP8_TOL = 2.0 ** -11
+
+
 def _check(y, x, w, scale):
     ref = _float64(x, w, scale, 127.0 if w.dtype == torch.int8 else 448.0)
     err = ((y.double() - ref).abs() / ref.abs().amax().clamp(min=1e-30)).max().item()
-    assert err <= TOL[x.dtype], f"max relative error {err:.3g} > {TOL[x.dtype]:.3g}"
+    tol = TOL[x.dtype]
+    if w.dtype == torch.float8_e4m3fn and x.shape[0] > 1 and not INTERPRETED:
+        tol = max(tol, MMA_FP8_TOL)
+    assert err <= tol, f"max relative error {err:.3g} > {tol:.3g}"
 
 
 def test_int_dot_is_exact_past_the_fp32_integer_range():

@@ -67,6 +67,21 @@ def compare(got, ref, atol, max_frac, what):
     assert frac <= max_frac, f"{what}: {frac:.2%} of elements differ (allowed {max_frac:.2%})"
 
 
+def same_sums(y, plain, x, w):
+    """y and plain are the same GEMV of x [M, K] by w [N, K] (a float copy of the weight, scales applied) summed
+    in two orders: bit for bit in the interpreter; compiled, the reduction tree of a row held in registers is
+    the compiler's choice, so within fp32 summation order (K * 2**-24 of sum |x||w| per output) plus one
+    rounding of the output dtype (2**-7 relative: bf16's ulp; fp32's is inside the first term)."""
+    if INTERPRETED:
+        assert torch.equal(y, plain), (y.float() - plain.float()).abs().max()
+        return
+    bound = x.shape[1] * 2.0 ** -24 * (x.float().abs() @ w.float().abs().T)
+    if y.dtype != torch.float32:
+        bound = bound + 2.0 ** -7 * plain.float().abs()
+    diff = (y.float() - plain.float()).abs()
+    assert (diff <= bound).all(), f"{(diff - bound).max().item():.3g} past the summation-order bound"
+
+
 def cuda_us(fn, reps: int = 50) -> float:
     """µs per call of fn() on the GPU (CUDA events around `reps` calls after 3 warm-up calls): printed beside
     a kernel's 35B-shape check, for orientation only (the benchmarks under benchmarks/ are the measurements)."""

@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,8", help="comma-separated M values")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--fp8", action="store_true", help="the block-FP8 projection kernel instead of the bf16 GEMV")
-    ap.add_argument("--norm", action="store_true", help="add_rms_norm_linear's one-row form (module docstring)")
+    ap.add_argument("--norm", action="store_true", help="add_rms_norm_linear's one-row form (module docstring); bf16 weights only, --fp8 is not read")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -128,9 +128,12 @@ def causal_conv_update_triton(x: torch.Tensor, conv_state: torch.Tensor, slots: 
     return y, new_state
 
 
-# Channels per program of the update: 35B C = 8192 -> 32 programs at B = 1, 6 us a layer in the bs1 step on
-# the H200 for 48 KB of state (latency, not bytes). A module constant so a sweep can set it; not yet swept.
-UPDATE_BC = 256
+# Channels per program and warps of the update (latency, not bytes: 48 KB of state a layer at B = 1). Swept on
+# the H200 at C = 8192, in place, 30 layers per CUDA graph (tools/sweep_conv_update.py,
+# benchmarks/h200_conv_update_sweep.json): 64 x 4 warps takes 1.75 / 2.45 / 10.5 us a layer at B = 1 / 8 / 64
+# where the former 256 x 4 took 3.55 / 3.79 / 15.5; outputs and state identical (one channel per lane-row).
+UPDATE_BC = 64
+UPDATE_WARPS = 4
 
 
 def run_update(x, conv_state, slots, weight, y, new_state) -> None:
@@ -140,7 +143,7 @@ def run_update(x, conv_state, slots, weight, y, new_state) -> None:
     BC = min(UPDATE_BC, next_pow2(C))
     launch(_conv_update_kernel, (B, triton.cdiv(C, BC)), x, conv_state, slots, weight, y, new_state,
            *x.stride(), *conv_state.stride(), *weight.stride(), *new_state.stride(), C,
-           W=weight.shape[1], BC=BC, BW=next_pow2(weight.shape[1]), IN_PLACE=new_state is conv_state, num_warps=4)
+           W=weight.shape[1], BC=BC, BW=next_pow2(weight.shape[1]), IN_PLACE=new_state is conv_state, num_warps=UPDATE_WARPS)
 
 
 def run_prefill(x, conv_state, slot, n_valid, weight, block_t: int, block_c: int):
