@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import os
 import shutil
 import signal
@@ -247,6 +248,11 @@ def _worker_main(conn, log_path: str, device: str, tp: int, compile_threads: int
             except EOFError:              # the exporting process is gone
                 return
             if msg[0] == "stop":
+                # CUDA: a weight received over IPC tells its producer it is released only when it is freed
+                # here; a worker exiting with them alive left the exporting process to warn at its exit
+                # ("Producer process has been terminated before all shared CUDA tensors released")
+                weights.clear()
+                gc.collect()
                 return
             if msg[0] == "weights":
                 weights[msg[1]] = msg[2]
