@@ -208,19 +208,63 @@ class UncapturedDecode:
         return ids, logits
 
 
-def lower(model, weights, kind: str, bucket: int, args, dev, r: dict, k: int = 0):
-    """Trace + lower one graph (k: a spec round's drafts) and bind the in-memory weights -> AotiGraph (or,
-    with --lower export, an ExportedGraph); timings go into r."""
-    from onegraph.export.aoti import lower_aoti
+def _trace(model, kind: str, bucket: int, args, dev, r: dict, k: int = 0):
     from onegraph.export.entry import graph_spec
     from onegraph.export.trace import trace
-    from onegraph.runtime.executor import AotiGraph
-    dtype = model.embed_tokens.weight.dtype
     t = time.time()
-    ep, hist = trace(model, graph_spec(model, kind, bucket, args.max_seq_len, dtype, k), dev, args.kernels,
-                     fold_norms=not args.no_fold_norms)
+    ep, hist = trace(model, graph_spec(model, kind, bucket, args.max_seq_len, model.embed_tokens.weight.dtype, k),
+                     dev, args.kernels, fold_norms=not args.no_fold_norms)
     r["trace_s"] = round(time.time() - t, 1)
     r["graph_nodes"] = sum(hist.values())
+    return ep
+
+
+def lower_all(model, wanted: list[tuple[str, int]], args, dev) -> dict:
+    """Every decode and prefill graph of the run traced first, then lowered side by side in worker processes
+    (export/workers.py, as `onegraph export` does: the in-memory weights shared with them, not copied), so a
+    run of several 35B graphs (150-300 s each) fits one sitting -> {(kind, bucket): (package, timings)}, which
+    `lower` then binds. {} (each graph lowered in `lower`, one after another) with --jobs 1, one graph,
+    --lower export or tensor parallel."""
+    from onegraph.export.program import save_without_weights, weights_of
+    from onegraph.export.workers import LoweringPool, auto_jobs
+    jobs = min(len(wanted), args.jobs or auto_jobs(len(wanted), dev))
+    if jobs < 2 or args.lower != "aoti" or model.tp > 1:
+        return {}
+    work = Path(tempfile.mkdtemp(prefix="bench_big_lower_"))
+    pool, timings, done = LoweringPool(jobs, dev, 1, work / "logs"), {}, {}
+    t0 = time.time()
+    try:
+        for kind, bucket in wanted:
+            tag, r = f"{kind}_{bucket}", {}
+            ep = _trace(model, kind, bucket, args, dev, r)
+            save_without_weights(ep, work / f"{tag}.program.pt2")
+            if not pool.weights:
+                pool.share(0, weights_of(ep))
+            del ep
+            timings[tag] = r
+            pool.submit(tag, 0, work / f"{tag}.program.pt2", work / f"{tag}.pt2", True)
+        while pool.pending:
+            for d in pool.poll(1.0):
+                timings[d.tag]["compile_s"] = round(d.seconds, 1)
+                done[d.tag] = work / f"{d.tag}.pt2"
+                log(d.tag, "trace_s", timings[d.tag]["trace_s"], "compile_s", timings[d.tag]["compile_s"])
+    finally:
+        pool.close()
+    log("lowered", len(done), "graphs in", jobs, "workers:", round(time.time() - t0, 1), "s")
+    return {(kind, bucket): (done[f"{kind}_{bucket}"], dict(timings[f"{kind}_{bucket}"], lowered_in_parallel=jobs))
+            for kind, bucket in wanted}
+
+
+def lower(model, weights, kind: str, bucket: int, args, dev, r: dict, k: int = 0):
+    """Trace + lower one graph (k: a spec round's drafts) and bind the in-memory weights -> AotiGraph (or,
+    with --lower export, an ExportedGraph); timings go into r. A graph lower_all lowered is bound as it is."""
+    from onegraph.export.aoti import lower_aoti
+    from onegraph.runtime.executor import AotiGraph
+    if k == 0 and (kind, bucket) in getattr(args, "prelowered", {}):
+        pkg, timings = args.prelowered[(kind, bucket)]
+        r.update(timings)
+        return AotiGraph(pkg, weights, dev, args.loader_cls)
+    ep = _trace(model, kind, bucket, args, dev, r, k)
     if args.lower == "export":
         return ExportedGraph(ep)
     t = time.time()
@@ -415,6 +459,9 @@ def main(argv=None) -> int:
                          "(the CPU tests: seconds instead of a minute per graph)")
     ap.add_argument("--quant", default="none", choices=["none", "fp8", "int8"],
                     help="quantize the random weights as `onegraph export --quant` does (before concatenation)")
+    ap.add_argument("--jobs", type=int, default=0,
+                    help="graphs lowered side by side in worker processes before any is timed (default: as many as "
+                         "the machine's cores and memory allow, export/workers.py); 1: each lowered when it is timed")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -481,6 +528,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     save = (lambda: out.write_text(json.dumps(res, indent=2) + "\n")) if args.rank == 0 else (lambda: None)
     out.parent.mkdir(parents=True, exist_ok=True)
+    args.prelowered = lower_all(model, [("decode", B) for B in args.batch] + [("prefill", T) for T in args.prefill],
+                                args, dev)
     res["batches"] = []
     for B in args.batch:
         r = bench_batch(model, weights, B, args, dev, (res["copy_bandwidth_GBps"] or 0) * 1e9)
