@@ -142,8 +142,9 @@ def test_bench_interleave_chunked_vs_whole(tiny_artifact, tmp_path):
 
 
 def test_bench_engine_on_the_tiny_artifact(tiny_artifact, tmp_path):
-    """tools/bench_engine: the load stages, the fixture's report (it runs by default), the first request, bs1
-    and 3 concurrent requests each streaming exactly --output-len tokens; input past max_seq_len exits 2."""
+    """tools/bench_engine: the load stages (and, --profile-load, its profile), the fixture's report (it runs by
+    default), the first request, bs1 and 3 concurrent requests each streaming exactly --output-len tokens;
+    input past max_seq_len exits 2."""
     import json
 
     import pytest
@@ -151,9 +152,13 @@ def test_bench_engine_on_the_tiny_artifact(tiny_artifact, tmp_path):
     from onegraph.tools.bench_engine import main
     out = tmp_path / "engine.json"
     assert main(["--artifact", str(tiny_artifact), "--concurrency", "3", "--input-len", "20", "--output-len", "5",
-                 "--out", str(out)]) == 0
+                 "--profile-load", "5", "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     assert {"graph_packages", "fixture"} <= set(r["load_timings_s"]) and r["load_s"] > 0
+    prof = r["load_profile"]           # the load's most expensive functions, the Engine's own entry among them
+    cum = [f["cumulative_s"] for f in prof]
+    assert len(prof) == 5 and cum == sorted(cum, reverse=True) and cum[0] <= r["load_s"] + 0.01   # load_s: 2 decimals
+    assert any("from_artifact" in f["function"] for f in prof)
     assert r["fixture"]["prompts"] >= 1
     assert r["bs1"]["decode_ms_per_token"] > 0 and r["first_request"]["ttft_ms"] > 0
     c = r["concurrency"]

@@ -19,6 +19,8 @@ Timestamps are taken in the engine's emit callback (its thread), as bench_interl
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import random
 import sys
 import threading
@@ -69,17 +71,25 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-parity-check", dest="check_parity", action="store_false",
                     help="skip the load-time parity fixture (recorded in the JSON)")
+    ap.add_argument("--profile-load", type=int, default=0, metavar="N",
+                    help="run the load under cProfile and record its N most expensive functions (cumulative "
+                         "seconds, own seconds, calls) as load_profile: where a slow stage spends its time")
     ap.add_argument("--out", help="write the JSON here")
     args = ap.parse_args(argv)
-    if args.concurrency < 1 or args.input_len < 1 or args.output_len < 2:
+    if args.concurrency < 1 or args.input_len < 1 or args.output_len < 2 or args.profile_load < 0:
         print("bench_engine: error: need --concurrency >= 1, --input-len >= 1, --output-len >= 2", file=sys.stderr)
         return 2
     import torch
 
     from onegraph.runtime import Engine
+    prof = cProfile.Profile() if args.profile_load else None
     t = time.perf_counter()
+    if prof is not None:
+        prof.enable()
     eng = Engine.from_artifact(args.artifact, max_slots=args.concurrency, device=args.device,
                                check_parity=args.check_parity)
+    if prof is not None:
+        prof.disable()
     load_s = time.perf_counter() - t
     try:
         if args.input_len + args.output_len > eng.ex.max_seq_len:
@@ -106,8 +116,19 @@ def main(argv=None) -> int:
            "concurrency": dict(conc, concurrency=args.concurrency, input_len=args.input_len,
                                output_len=args.output_len, prefill_budget=stats["prefill_budget"],
                                decode_steps=stats["counters"].get("decode_steps"))}
+    if prof is not None:
+        res["load_profile"] = top_functions(prof, args.profile_load)
     emit(res, args.out)
     return 0
+
+
+def top_functions(prof: cProfile.Profile, n: int) -> list[dict]:
+    """The n functions of a profile with the most cumulative time (C++ called from Python counts in its
+    caller's own time): [{function, cumulative_s, own_s, calls}]."""
+    stats = pstats.Stats(prof).stats             # {(file, line, name): (calls, ncalls, own, cumulative, callers)}
+    rows = sorted(stats.items(), key=lambda kv: kv[1][3], reverse=True)[:n]
+    return [{"function": f"{Path(f).name}:{line}({name})", "cumulative_s": round(cum, 3), "own_s": round(own, 3),
+             "calls": calls} for (f, line, name), (_, calls, own, cum, _) in rows]
 
 
 if __name__ == "__main__":
