@@ -46,6 +46,24 @@ class SpecRound:
     copied_at: float
 
 
+def capability_mismatch(name: str, meta: dict, capability: tuple[int, int], device_name: str) -> str | None:
+    """Why a package built for another GPU architecture cannot run here (its metadata's AOTI_COMPUTE_CAPABILITY,
+    "90" for sm_90, against this device's (major, minor)), or None. A package without one (CPU) passes."""
+    built, here = meta.get("AOTI_COMPUTE_CAPABILITY") or None, f"{capability[0]}{capability[1]}"
+    if built is None or built == here:
+        return None
+    return f"graph {name} was compiled for compute capability {built}, this {device_name} has {here}: re-export on it"
+
+
+def check_capability(path: Path, device: torch.device) -> None:
+    """ArtifactError if the CUDA package at path was built for another compute capability than device's."""
+    meta = torch._C._aoti.AOTIModelPackageLoader.load_metadata_from_package(str(path), "model")
+    why = capability_mismatch(path.name, meta, torch.cuda.get_device_capability(device),
+                              torch.cuda.get_device_name(device))
+    if why:
+        raise ArtifactError(why)
+
+
 class AotiGraph:
     """One AOTInductor package with the artifact's weights bound (no copy). `loader_cls`: a class with
     torch._C._aoti.AOTIModelPackageLoader's interface to load it with (tensor parallel passes
@@ -56,11 +74,21 @@ class AotiGraph:
         t0 = time.perf_counter()
         index = -1 if device.index is None else device.index
         try:
-            if loader_cls is None:
-                self.loader = aoti_load_package(str(path), device_index=index,
-                                                run_single_threaded=device.type == "cuda").loader
-            else:          # the arguments aoti_load_package passes: package, model name, single-threaded, runners, index
-                self.loader = loader_cls(str(path), "model", device.type == "cuda", 1, index)
+            if device.type == "cuda":
+                check_capability(path, device)
+            if device.type == "cuda" or loader_cls is not None:
+                # the C++ loader itself, with the arguments aoti_load_package passes it (package, model name,
+                # single-threaded, runners, index): torch's Python wrapper first compares the package's device
+                # information with this machine's, which asks Inductor for the CPU's vector ISA, and in a fresh
+                # process that probe (a g++ build and a subprocess per ISA) made the first package's load the
+                # slowest stage of a 35B load (45 s). A CUDA package's compute capability is checked above instead
+                # (fail closed, where torch only warns).
+                self.loader = (loader_cls or torch._C._aoti.AOTIModelPackageLoader)(
+                    str(path), "model", device.type == "cuda", 1, index)
+            else:          # a CPU package: torch's ISA check stays (an AVX-512 package would die on an AVX2 CPU)
+                self.loader = aoti_load_package(str(path), device_index=index).loader
+        except ArtifactError:
+            raise
         except Exception as e:
             raise ArtifactError(f"cannot load graph {path.name}: {e}") from None
         fqns = self.loader.get_constant_fqns()

@@ -88,6 +88,19 @@ def test_cuda_artifact_on_cpu_is_refused(artifact_copy):
             load_manifest(artifact_copy)
 
 
+def test_package_for_another_gpu_architecture_is_refused(tiny_artifact):
+    """CUDA packages are loaded by torch's C++ loader directly (runtime/executor.py: its Python wrapper's CPU-ISA
+    probe cost a 35B load 45 s); the compute capability in the package's metadata is checked instead, fail
+    closed. The metadata read is the real one (a CPU package records none, so it passes)."""
+    from onegraph.runtime.executor import capability_mismatch
+    meta = torch._C._aoti.AOTIModelPackageLoader.load_metadata_from_package(
+        str(tiny_artifact / "graphs" / "decode_b1.pt2"), "model")
+    assert meta["AOTI_DEVICE_KEY"] == "cpu" and capability_mismatch("decode_b1.pt2", meta, (9, 0), "H200") is None
+    assert capability_mismatch("d.pt2", dict(meta, AOTI_COMPUTE_CAPABILITY="90"), (9, 0), "H200") is None
+    why = capability_mismatch("d.pt2", dict(meta, AOTI_COMPUTE_CAPABILITY="80"), (9, 0), "NVIDIA H200")
+    assert why == "graph d.pt2 was compiled for compute capability 80, this NVIDIA H200 has 90: re-export on it"
+
+
 def test_other_torch_or_op_versions_are_refused(artifact_copy):
     _rewrite(artifact_copy, lambda m: m["versions"].update(torch="1.0.0"))
     with pytest.raises(ArtifactError, match="compiled with torch 1.0.0"):
