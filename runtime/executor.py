@@ -79,10 +79,10 @@ class AotiGraph:
             if device.type == "cuda" or loader_cls is not None:
                 # the C++ loader itself, with the arguments aoti_load_package passes it (package, model name,
                 # single-threaded, runners, index): torch's Python wrapper first compares the package's device
-                # information with this machine's, which asks Inductor for the CPU's vector ISA, and in a fresh
-                # process that probe (a g++ build and a subprocess per ISA) made the first package's load the
-                # slowest stage of a 35B load (45 s). A CUDA package's compute capability is checked above instead
-                # (fail closed, where torch only warns).
+                # information with this machine's, which asks Inductor for the CPU's vector ISA: in a fresh process
+                # a probe (a g++ build and a load check per ISA), the suspected cause of a 35B load's 45 s first
+                # package (docs/design.md). A CUDA package's compute capability is checked above instead (fail
+                # closed, where torch only warns).
                 self.loader = (loader_cls or torch._C._aoti.AOTIModelPackageLoader)(
                     str(path), "model", device.type == "cuda", 1, index)
             else:          # a CPU package: torch's ISA check stays (an AVX-512 package would die on an AVX2 CPU)
