@@ -166,3 +166,19 @@ def test_bench_engine_on_the_tiny_artifact(tiny_artifact, tmp_path):
     assert c["output_tok_s"] > 0 and c["input_tok_s"] == pytest.approx(c["output_tok_s"] * 60 / 15, rel=1e-2)
     assert main(["--artifact", str(tiny_artifact), "--concurrency", "1", "--input-len", "250", "--output-len", "10",
                  "--no-parity-check"]) == 2
+
+
+def test_profile_regions_name_each_kernel_family():
+    """Kernel names as the H200 profiles show them -> their region: the grouped MoE path (bs >= 64) is MoE, not
+    'other', and attention's combine kernel is not the MoE's."""
+    from onegraph.tools.bench_common import REGIONS
+
+    def region(name):
+        return next((r for r, pats in REGIONS if any(p in name.lower() for p in pats)), "other")
+    assert {n: region(n) for n in ("_grouped_swiglu_kernel", "_grouped_down_fp8_kernel", "_pair_table_kernel",
+                                   "_route_kernel", "_combine_kernel", "_moe_swiglu_kernel")} == dict.fromkeys(
+        ("_grouped_swiglu_kernel", "_grouped_down_fp8_kernel", "_pair_table_kernel", "_route_kernel",
+         "_combine_kernel", "_moe_swiglu_kernel"), "moe")
+    assert region("_attn_combine_kernel") == region("_attn_split_kernel") == "attention"
+    assert region("_gdn_decode_norm_kernel") == "gdn" and region("_gated_rms_norm_kernel") == "norms"
+    assert region("nvjet_sm90_tst_64x64") == region("_gemv_kernel") == "gemm"

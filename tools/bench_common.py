@@ -14,8 +14,11 @@ import torch
 # apart as the largest one per step; the MoE router's GEMM is one of them); Inductor's generated kernels are
 # named after the aten ops they fuse. The router's torch.topk runs as aten's gatherTopK + bitonicSortKV, a region
 # of its own: the sampling patterns name the sample op's two kernels exactly, so no sort is counted as sampling.
-REGIONS = (("moe", ("_moe_",)), ("moe_router_topk", ("topk", "bitonicsort")), ("gdn", ("_gdn_",)),
-           ("attention", ("_attn", "attention")), ("norms", ("_rms", "norm")),
+# The MoE's kernels: the decode pair (_moe_*), and where B * top_k > E the grouped path's routing, pair table,
+# grouped GEMMs and combine (custom_ops/triton/fused_moe_prefill.py).
+REGIONS = (("attention", ("_attn", "attention")),          # first: the MoE's "_combine_kernel" is in "_attn_combine_kernel"
+           ("moe", ("_moe_", "_grouped_", "_pair_table_kernel", "_route_kernel", "_combine_kernel")),
+           ("moe_router_topk", ("topk", "bitonicsort")), ("gdn", ("_gdn_",)), ("norms", ("_rms", "norm")),
            ("sampling", ("_scan_kernel", "_pick_kernel")),
            ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "sm90", "xmma", "splitk", "_fp8_kernel", "_w8a8_kernel")),
            ("inductor_other", ("triton_",)))
