@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_env import CATCH_KERNEL_WARNINGS, CUDA, DEVICE, HAVE_TRITON, TTIR_WRITES, needs_triton, run_package_script
+from triton_env import (CATCH_KERNEL_WARNINGS, CUDA, DEVICE, HAVE_TRITON, INTERPRETED, TTIR_WRITES, needs_triton,
+                        run_package_script)
 
 from onegraph.custom_ops.gated_rms_norm import reference_gated_rms_norm
 from onegraph.custom_ops.gdn_decode_step import reference_gdn_decode_step
@@ -329,9 +330,10 @@ def test_inline_leaves_a_twin_whose_old_state_is_read_later():
 
 
 @needs_triton
-@pytest.mark.parametrize("fused", [True, False], ids=["fused_kernel", "split_launches"])
+@pytest.mark.parametrize("fused,block_v", [(True, None), (True, 8), (False, None)],
+                         ids=["fused_kernel", "fused_kernel_8_columns_at_a_time", "split_launches"])
 @pytest.mark.parametrize("in_place", [False, True])
-def test_both_paths_match_reference(fused, in_place):
+def test_both_paths_match_reference(fused, block_v, in_place):
     """The launcher's two paths (the one-kernel (B, HK) grid, and conv update + step + norm as three launches,
     which it takes below SPLIT_BELOW programs), each functional and in place, against the reference; the op
     picks by B * HK, so the small shapes above exercise only the split path."""
@@ -346,12 +348,34 @@ def test_both_paths_match_reference(fused, in_place):
             nc, nr = conv, rec
         else:
             nc, nr = conv.new_empty((B, C_of(args), W - 1)), rec.new_empty((B, HV, K, V))
-        mod._launch(*args[:4], conv, rec, *args[6:], y, nc, nr, in_place=in_place, fused=fused)
+        mod._launch(*args[:4], conv, rec, *args[6:], y, nc, nr, in_place=in_place, fused=fused, block_v=block_v)
         close(y, ry, TOL[dtype], f"{dtype} y")
         if in_place:
             rc, rr = args[4].index_copy(0, args[6], rc), args[5].index_copy(0, args[6], rr)
         close(nc, rc, 0.0, f"{dtype} conv rows")
         close(nr, rr, REC_TOL[dtype], f"{dtype} rec rows")
+
+
+@needs_triton
+@pytest.mark.parametrize("in_place", [False, True])
+def test_column_chunks_change_no_value(in_place):
+    """The fused kernel's V walk (block_vc): 8 columns at a time (3 chunks of V = 24 and a fully masked 4th) gives
+    the whole-head kernel's y, conv and state rows: bit for bit in the interpreter; compiled, each column's sums
+    over K may take another reduction tree, so within the op's tolerances."""
+    from onegraph.custom_ops.triton import gdn_decode_step_norm as mod
+    B, S, HK, HV, K, V, W, slots = SHAPES[1]
+    args = make(B, S, HK, HV, K, V, W, torch.bfloat16, 5, slots)
+    outs = []
+    for block_v in (None, 8):
+        y, conv, rec = args[0].new_empty((B, HV, V)), args[4].clone(), args[5].clone()
+        nc, nr = (conv, rec) if in_place else (conv.new_empty((B, C_of(args), W - 1)), rec.new_empty((B, HV, K, V)))
+        mod._launch(*args[:4], conv, rec, *args[6:], y, nc, nr, in_place=in_place, fused=True, block_v=block_v)
+        outs.append((y, nc, nr))
+    for (a, b), what in zip(zip(*outs), ("y", "conv rows", "rec rows")):
+        if INTERPRETED:
+            assert torch.equal(a, b), f"{what}: {(a.float() - b.float()).abs().max().item():.3g}"
+        else:
+            close(b, a, {"y": TOL[torch.bfloat16], "conv rows": 0.0, "rec rows": REC_TOL[torch.bfloat16]}[what], what)
 
 
 def C_of(args):
