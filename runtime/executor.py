@@ -80,8 +80,8 @@ class AotiGraph:
                 # the C++ loader itself, with the arguments aoti_load_package passes it (package, model name,
                 # single-threaded, runners, index): torch's Python wrapper first compares the package's device
                 # information with this machine's, which asks Inductor for the CPU's vector ISA: in a fresh process
-                # a probe (a g++ build and a load check per ISA), the suspected cause of a 35B load's 45 s first
-                # package (docs/design.md). A CUDA package's compute capability is checked above instead (fail
+                # a probe (a g++ build and a load check per ISA; 6.9 s on the H200 machine, part of a 35B load's
+                # 45 s first package at most, docs/design.md). A CUDA package's compute capability is checked above instead (fail
                 # closed, where torch only warns).
                 self.loader = (loader_cls or torch._C._aoti.AOTIModelPackageLoader)(
                     str(path), "model", device.type == "cuda", 1, index)
