@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from torch._inductor import aoti_compile_and_package
+from torch.fx.experimental import proxy_tensor
 
 from .inplace import InlineInplaceTwins
 
@@ -23,4 +24,18 @@ def lower_aoti(ep: torch.export.ExportedProgram, out: Path, eager_rounding: bool
     1.36 vs 0.035 with it), so parity with the eager reference needs it."""
     # the in-place twins export put in (export/inplace.py) are called directly, so they compile to their kernels
     cfg = dict(INDUCTOR_CONFIGS, emulate_precision_casts=eager_rounding, pre_grad_custom_pass=InlineInplaceTwins())
-    return Path(aoti_compile_and_package(ep, package_path=str(out), inductor_configs=cfg))
+    try:
+        return Path(aoti_compile_and_package(ep, package_path=str(out), inductor_configs=cfg))
+    finally:
+        release_last_trace()
+
+
+def release_last_trace() -> None:
+    """Drop what torch's export tracing keeps of its last trace. Its fake-tensor -> node map is a module global
+    (torch.fx.experimental.proxy_tensor), cleared when the next trace starts, not when one ends; its nodes hold
+    the traced graph and, through it, the module with the real weights. A lowering worker that received the
+    weights from the exporting process (CUDA IPC) must free them before it exits, or that process warns at its
+    exit "Producer process has been terminated before all shared CUDA tensors released"."""
+    leftover = getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", None)
+    if leftover is not None:
+        leftover.clear()

@@ -250,7 +250,8 @@ def _worker_main(conn, log_path: str, device: str, tp: int, compile_threads: int
             if msg[0] == "stop":
                 # CUDA: a weight received over IPC tells its producer it is released only when it is freed
                 # here; a worker exiting with them alive left the exporting process to warn at its exit
-                # ("Producer process has been terminated before all shared CUDA tensors released")
+                # ("Producer process has been terminated before all shared CUDA tensors released"). lower_aoti
+                # drops torch's own hold on the last trace (export/aoti.py release_last_trace), so this frees them
                 weights.clear()
                 gc.collect()
                 return

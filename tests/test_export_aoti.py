@@ -180,3 +180,23 @@ def test_bench_smoke(tiny_artifact, tmp_path):
     assert res["command"].startswith("onegraph bench") and res["engine"]["host_us_per_step"] > 0
     runs = res["engine"]["host_us_per_run"]          # the reported figure is the median of 5 runs
     assert len(runs) == 5 and res["engine"]["host_us_per_step"] == sorted(runs)[2]
+
+
+def test_lowering_leaves_no_reference_to_the_weights(tmp_path):
+    """A lowering worker receives the weights from the exporting process (CUDA: IPC handles) and must free them
+    before it exits, or that process warns at its exit. torch's export tracing keeps its last trace (and through it
+    the weights) in a module global; lower_aoti releases it, so once the caller drops them the storages are freed."""
+    import gc
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from onegraph.export.aoti import lower_aoti
+    from onegraph.export.program import load_with_weights, save_without_weights, weights_of
+    ep = torch.export.export(torch.nn.Linear(8, 4), (torch.randn(2, 8),))
+    save_without_weights(ep, tmp_path / "p.pt2")
+    weights = {k: v.clone() for k, v in weights_of(ep).items()}
+    refs = {k: StorageWeakRef(v.untyped_storage()) for k, v in weights.items()}
+    lower_aoti(load_with_weights(tmp_path / "p.pt2", weights), tmp_path / "g.pt2")
+    weights.clear()
+    gc.collect()
+    assert [k for k, r in refs.items() if not r.expired()] == []
