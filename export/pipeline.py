@@ -90,6 +90,10 @@ class ExportOptions:
             raise ValueError(f"--prefill-chunks must be positive integers, got {self.prefill_chunks}")
         if not 1 <= self.max_seq_len <= max_positions:
             raise ValueError(f"--max-seq-len must be in 1..{max_positions} (max_position_embeddings)")
+        if max(self.prefill_chunks) > self.max_seq_len:
+            # a chunk's KV rows would land past the cache's last row (on CUDA: a device-side index assert)
+            raise ValueError(f"--prefill-chunks {max(self.prefill_chunks)} exceeds --max-seq-len {self.max_seq_len}: "
+                             f"a prefill chunk cannot be longer than the cache")
         if self.tp < 1:
             raise ValueError(f"--tp must be >= 1, got {self.tp}")
         if self.weights not in ("copy", "reference"):

@@ -25,7 +25,8 @@ def test_plot_usage_error():
 
 
 def test_big_preset_user_errors(tmp_path):
-    """`onegraph bench --preset qwen3.5-35b-a3b`: no --out, or no CUDA device -> one line, exit 2."""
+    """`onegraph bench --preset qwen3.5-35b-a3b`: no --out, or no CUDA device; bench_big given a prefill longer
+    than the cache -> one line, exit 2 (before any lowering)."""
     import torch
     base = [sys.executable, "-m", "onegraph", "bench", "--preset", "qwen3.5-35b-a3b"]
     r = subprocess.run(base, capture_output=True, text=True)
@@ -33,6 +34,9 @@ def test_big_preset_user_errors(tmp_path):
     if not torch.cuda.is_available():
         r = subprocess.run(base + ["--out", str(tmp_path / "x.json")], capture_output=True, text=True)
         assert r.returncode == 2 and "needs a CUDA device" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "onegraph.tools.bench_big", "--prefill", "512,8192", "--out",
+                        str(tmp_path / "x.json")], capture_output=True, text=True)
+    assert r.returncode == 2 and "--prefill 8192 exceeds --max-seq-len 4096" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_identical_experts_make_the_moe_blind_to_routing():
@@ -180,5 +184,5 @@ def test_profile_regions_name_each_kernel_family():
         ("_grouped_swiglu_kernel", "_grouped_down_fp8_kernel", "_pair_table_kernel", "_route_kernel",
          "_combine_kernel", "_moe_swiglu_kernel"), "moe")
     assert region("_attn_combine_kernel") == region("_attn_split_kernel") == "attention"
-    assert region("_gdn_decode_norm_kernel") == "gdn" and region("_gated_rms_norm_kernel") == "norms"
+    assert region("_gdn_decode_kernel") == "gdn" and region("_gated_rms_norm_kernel") == "norms"
     assert region("nvjet_sm90_tst_64x64") == region("_gemv_kernel") == "gemm"

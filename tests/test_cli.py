@@ -148,7 +148,8 @@ def test_bad_export_options_leave_an_existing_artifact_alone(tmp_path):
     out = tmp_path / "art"
     out.mkdir()
     (out / "manifest.json").write_text("{}")
-    for bad in (["--backend", "onnx", "--dtype", "bfloat16"], ["--tp", "3"], ["--max-seq-len", "0"]):
+    for bad in (["--backend", "onnx", "--dtype", "bfloat16"], ["--tp", "3"], ["--max-seq-len", "0"],
+                ["--max-seq-len", "64"]):                  # the default prefill chunks run to 256
         p = onegraph("export", "tiny", "--out", out, "--quiet", *bad)
         assert p.returncode == 2 and "Traceback" not in p.stderr, (bad, p.stderr)
         assert (out / "manifest.json").read_text() == "{}", f"{bad}: the existing directory was removed"

@@ -464,6 +464,9 @@ def main(argv=None) -> int:
                          "the machine's cores and memory allow, export/workers.py); 1: each lowered when it is timed")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    if args.prefill and max(args.prefill) > args.max_seq_len:      # checked before minutes of lowering
+        print(f"bench_big: --prefill {max(args.prefill)} exceeds --max-seq-len {args.max_seq_len}", file=sys.stderr)
+        return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_big: needs a CUDA device", file=sys.stderr)
         return 2
