@@ -14,6 +14,21 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        from triton.runtime import interpreter as _interp
+    except ImportError:                                   # no triton: the kernel tests skip
+        _interp = None
+    if _interp is not None and hasattr(_interp, "_patch_lang_tensor"):
+        _patch = _interp._patch_lang_tensor
+
+        def _patch_lang_tensor(tensor, scope):
+            """Triton 3.6's interpreter makes a loaded scalar a Python int with int(array of shape (1,)),
+            which NumPy >= 2.4 refuses: a kernel's `for i in range(lo, hi, step)` over run-time bounds (the
+            form the compiler pipelines) would not run here. Same value, through .item()."""
+            _patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0].item()))
+
+        _interp._patch_lang_tensor = _patch_lang_tensor
 from onegraph.custom_ops import triton as kernels  # noqa: E402
 
 HAVE_TRITON = kernels.AVAILABLE

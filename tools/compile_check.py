@@ -28,13 +28,14 @@ from triton.backends.compiler import GPUTarget
 from onegraph.custom_ops import _registry
 from onegraph.custom_ops.triton import (attention_decode, attention_prefill, causal_conv, fused_moe, fused_moe_fp8,
                                         fused_moe_fp8_prefill, fused_moe_prefill, gdn_decode_step,
-                                        gdn_decode_step_norm, gdn_prefill, linear, linear_fp8, linear_w8a8, norms,
-                                        qk_norm_rope, rope, sample)
+                                        gdn_prefill, linear, linear_fp8, linear_w8a8, norms, qk_norm_rope, rope,
+                                        sample)
 
 # every module that launches kernels: each one's `launch` global is replaced while a lowering runs
+# (gdn_decode_step_norm launches through causal_conv, gdn_decode_step and norms)
 MODULES = (attention_decode, attention_prefill, causal_conv, fused_moe, fused_moe_fp8, fused_moe_fp8_prefill,
-           fused_moe_prefill, gdn_decode_step, gdn_decode_step_norm, gdn_prefill, linear, linear_fp8, linear_w8a8,
-           norms, qk_norm_rope, rope, sample)
+           fused_moe_prefill, gdn_decode_step, gdn_prefill, linear, linear_fp8, linear_w8a8, norms, qk_norm_rope,
+           rope, sample)
 SMEM_LIMIT = 232448            # bytes per block on sm_90 (227 KiB opt-in)
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
           torch.int32: "i32", torch.float8_e4m3fn: "fp8e4nv", torch.int8: "i8"}

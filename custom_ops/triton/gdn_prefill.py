@@ -205,8 +205,7 @@ def _state_kernel(x, G, w, u, h, rec_state, slot, new_rec, s_x_t, s_x_c,
         S1 = tl.load(rs + (BKH + o_k)[:, None] * s_rs_k, mask=(BKH + o_k < K)[:, None] & mv[None, :], other=0.0)
     hv = (o_k[:, None] * V + offs_v[None, :]).to(tl.int64)                    # offsets in one h[c, head]
     w_h, G_h = w + (i_h * Tp) * K, G + i_h * Tp
-    # NT is a constexpr: a compile-time trip count keeps this a pipelined `for` (T is static per
-    # graph anyway), and the Triton 3.6 interpreter cannot run run-time `range` bounds under NumPy >= 2.4
+    # NT is a constexpr (T is static per graph): a compile-time trip count, a pipelined `for`
     for c in range(NT):
         t0 = c * BT
         h_c = h + (c * HV + i_h) * K * V                                      # state entering chunk c
