@@ -126,9 +126,10 @@ def attn_case(B, g, context):
     S = B + 1
     positions = torch.full((B,), context - 1, dtype=torch.int64, device=g.device)   # every row: full context
     args = (rand(g, B, H, D), rand(g, S, KVH, context, D), rand(g, S, KVH, context, D),
-            torch.randperm(S, generator=g, device=g.device)[:B], positions, D ** -0.5)
+            torch.randperm(S, generator=g, device=g.device)[:B], positions, D ** -0.5,
+            rand(g, B, H, D))                                                           # the output gate
     e = 2
-    moved = B * context * KVH * D * 2 * e + 2 * B * H * D * e
+    moved = B * context * KVH * D * 2 * e + 3 * B * H * D * e
     return args, moved
 
 
