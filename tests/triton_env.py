@@ -29,6 +29,44 @@ if not CUDA:
             scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0].item()))
 
         _interp._patch_lang_tensor = _patch_lang_tensor
+    if _interp is not None and hasattr(_interp, "GridExecutor") and hasattr(_interp, "InterpretedFunction"):
+        import inspect
+
+        import triton.language as _tl
+
+        _active: list[frozenset] = []       # the language modules patched by each running kernel launch
+        _langs_of: dict = {}
+
+        def _langs(fn) -> frozenset:
+            if fn not in _langs_of:
+                _langs_of[fn] = frozenset(id(v) for v in fn.__globals__.values()
+                                          if inspect.ismodule(v) and v in (_tl, _tl.core))
+            return _langs_of[fn]
+
+        _grid_call, _device_call = _interp.GridExecutor.__call__, _interp.InterpretedFunction.__call__
+
+        def _grid_call_tracked(self, *args, **kwargs):
+            _active.append(_langs(self.fn))
+            try:
+                return _grid_call(self, *args, **kwargs)
+            finally:
+                _active.pop()
+
+        def _device_call_in_kernel(self, *args, **kwargs):
+            """A @triton.jit helper called from a running kernel: Triton 3.6 re-patches the whole language
+            (inspect.getmembers over triton.language, per call, per program) although the launch already
+            patched the same modules: a quarter of a whole-model interpreter test's time. Skipped when the
+            helper sees no language module the launch has not patched; the call itself is Triton's."""
+            if not (_active and _langs(self.fn) <= _active[-1]):
+                return _device_call(self, *args, **kwargs)
+            fn = self.rewrite()
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                raise _interp.InterpreterError(repr(e)) from e
+
+        _interp.GridExecutor.__call__ = _grid_call_tracked
+        _interp.InterpretedFunction.__call__ = _device_call_in_kernel
 from onegraph.custom_ops import triton as kernels  # noqa: E402
 
 HAVE_TRITON = kernels.AVAILABLE
