@@ -32,6 +32,8 @@ SHAPES = [("gdn_in_proj", 12352, 2048, 30), ("attn_qkv", 9216, 2048, 10), ("q_pr
           ("out_or_o_proj", 2048, 4096, 40), ("router", 256, 2048, 0), ("lm_head", 248320, 2048, 0)]
 GEMV_TILES = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((4, 8, 16, 32), (128, 256, 512, 1024), (4, 8),
                                                                    (1, 3)) if bn * bk <= 16384]
+# a program's rows whole in one load (every byte of the program in flight behind one latency)
+GEMV_TILES += [(bn, bk, w, 1) for bn, bk, w in itertools.product((1, 2, 4), (2048, 4096), (4, 8)) if bn * bk <= 8192]
 DOT_TILES = list(itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4)))
 FP8_SHAPES = [("gdn_in_proj_qkvz", 12288, 2048, 30), ("attn_qkv", 9216, 2048, 10), ("out_or_o_proj", 2048, 4096, 40)]
 # the FMA GEMV and the dot path at M = 1 (x padded to 16 rows on the tensor cores)

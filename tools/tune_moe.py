@@ -1,6 +1,6 @@
 """Tile sweep for the fused_moe decode kernels (custom_ops/triton/fused_moe.py) at the Qwen3.5-35B-A3B
 shape on a CUDA device: µs per call for each (BI1, BH1, W1) of the SwiGLU kernel and (BH2, BI2, W2) of
-the down kernel, one kernel's tiles varied at a time.
+the down kernel (at one token: SWIGLU_ONE and DOWN_ONE), one kernel's tiles varied at a time.
 
     python -m onegraph.tools.tune_moe --batches 1,8 --out moe_tiles.json
     python -m onegraph.tools.tune_moe --batches 1 --routing-prefix --out moe_routing_prefix.json
@@ -45,11 +45,21 @@ def main(argv=None) -> int:
     weights = [(rand(g, E, H, scale=H ** -0.5), rand(g, E, 2 * I, H, scale=H ** -0.5), rand(g, E, H, I, scale=I ** -0.5),
                 rand(g, Is, H, scale=H ** -0.5), rand(g, Is, H, scale=H ** -0.5), rand(g, H, Is, scale=Is ** -0.5),
                 rand(g, 1, H, scale=H ** -0.5)) for _ in range(args.copies)]
-    base = (mod.BI1, mod.BH1, mod.W1, mod.BH2, mod.BI2, mod.W2)
+    base = {"many": (mod.BI1, mod.BH1, mod.W1, mod.BH2, mod.BI2, mod.W2), "one": mod.SWIGLU_ONE + mod.DOWN_ONE}
+
+    def set_tiles(B, tiles):
+        """The op reads SWIGLU_ONE / DOWN_ONE at one token and the BI1.. constants above it."""
+        if B == 1:
+            mod.SWIGLU_ONE, mod.DOWN_ONE = tuple(tiles[:3]), tuple(tiles[3:])
+        else:
+            mod.BI1, mod.BH1, mod.W1, mod.BH2, mod.BI2, mod.W2 = tiles
+
     # 1-2 warps too: a routed program's in-kernel routing is j + 1 block reductions, cheaper the fewer warps
-    # it spans, and smaller programs fit more per SM
-    k1 = list(itertools.product((2, 4, 8, 16), (128, 256, 512, 1024), (1, 2, 4, 8)))
-    k2 = list(itertools.product((2, 4, 8), (128, 256, 512), (1, 2, 4, 8)))
+    # it spans, and smaller programs fit more per SM. Tiles whose fp32 accumulators would take more than 64
+    # registers a thread (two [BI, BH] in kernel 1, [k, BH, BI] in kernel 2) are left out: they spill.
+    k1 = [c for c in itertools.product((1, 2, 4, 8, 16), (128, 256, 512, 1024, 2048), (1, 2, 4, 8))
+          if c[0] * c[1] <= 64 * 32 * c[2]]
+    k2 = [c for c in itertools.product((1, 2, 4, 8), (128, 256, 512), (1, 2, 4, 8)) if 8 * c[0] * c[1] <= 64 * 32 * c[2]]
     res = {"command": "python -m onegraph.tools.tune_moe " + " ".join(sys.argv[1:] if argv is None else argv),
            "default": base, "copies": args.copies, "rows": []}
     fn = torch.ops.onegraph.fused_moe_triton
@@ -72,13 +82,10 @@ def main(argv=None) -> int:
                                 "model_routes_first": mod.route_first(B)})
             print(json.dumps(res["rows"][-1]), flush=True)
             continue
+        start = base["one" if B == 1 else "many"]
         for which, grid in (("swiglu", k1), ("down", k2)):
             for cfg in grid:
-                mod.BI1, mod.BH1, mod.W1, mod.BH2, mod.BI2, mod.W2 = base
-                if which == "swiglu":
-                    mod.BI1, mod.BH1, mod.W1 = cfg
-                else:
-                    mod.BH2, mod.BI2, mod.W2 = cfg
+                set_tiles(B, cfg + start[3:] if which == "swiglu" else start[:3] + cfg)
                 try:
                     us = time_copies(fn, cases)
                 except Exception as e:  # a config that does not compile: record and go on
@@ -86,7 +93,7 @@ def main(argv=None) -> int:
                     print(which, cfg, type(e).__name__, str(e)[:200], file=sys.stderr)
                 res["rows"].append({"B": B, "kernel": which, "cfg": cfg, "us": us})
                 print(json.dumps(res["rows"][-1]), flush=True)
-    mod.BI1, mod.BH1, mod.W1, mod.BH2, mod.BI2, mod.W2 = base
+        set_tiles(B, start)
     if args.routing_prefix:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

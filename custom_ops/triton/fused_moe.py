@@ -242,6 +242,15 @@ def _moe_down_kernel(logits, down, sh_down, act, act_sh, route_w, route_i, y,
 # at sm_90; compile_check), so it takes (4, 128, 4): 78 registers, no spills. Re-tune on the GPU.
 BI1, BH1, W1 = 4, 256, 4
 BH2, BI2, W2 = 4, 128, 4
+# One token (the batch-1 decode step): every program loads its rows in as few tiles as fit its registers, so all
+# of a program's bytes are in flight at once behind one latency (a [BI, BH] loop waits one DRAM latency per
+# step: these loads do not feed a tl.dot, and the compiler does not pipeline them). H200, each call on its own
+# weights and router logits, 12 calls per replayed CUDA graph (benchmarks/h200_moe_bs1_tiles.json): SwiGLU
+# (2, 2048, 2) 12.4 us where (4, 256, 4) took 15.5 (37.7 MB: 71 % of copy bandwidth against 57 %; the
+# in-kernel routing is no longer its critical path: routed in, the same tile took 11.7); down (1, 256, 4) 7.4 us
+# against 8.3 (18.9 MB).
+SWIGLU_ONE = (2, 2048, 2)
+DOWN_ONE = (1, 256, 4)
 # Who finds a pair's expert. In-kernel, each of the SwiGLU kernel's cdiv(I, BI) programs of a routed pair repeats
 # its pair's j + 1 max-reductions over the E router keys before its first weight load, so that prefix grows with
 # the batch; routing first is one _route_kernel program per token (one more launch) and the SwiGLU programs load
@@ -289,19 +298,22 @@ def fused_moe_triton(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tenso
     act_sh = torch.empty((T, Is), dtype=x.dtype, device=x.device)
     route_w, route_i, routed = route_buffers(logits, T, E, top_k)
     y = torch.empty((T, H), dtype=out_dtype, device=x.device)
-    BI = min(BI1, next_pow2(max(I, Is)))
-    BH = min(BH1, next_pow2(H))
+    # bool(): under a symbolic batch (tools/bench_symbolic_batch.py) T == 1 is a SymBool, guarded on the example
+    one = bool(T == 1)
+    (bi1, bh1, w1), (bh2, bi2, w2) = (SWIGLU_ONE, DOWN_ONE) if one else ((BI1, BH1, W1), (BH2, BI2, W2))
+    BI = min(bi1, next_pow2(max(I, Is)))
+    BH = min(bh1, next_pow2(H))
     route = dict(E=E, BE=next_pow2(E), TOPK=top_k, BKK=next_pow2(top_k))
     launch(_moe_swiglu_kernel, (P + T, triton.cdiv(max(I, Is), BI)),
            x, logits, gate_up, shared_gate, shared_up, act, act_sh, route_w, route_i,
            *x.stride(), logits.stride(0), *gate_up.stride(), *shared_gate.stride(), *shared_up.stride(),
-           P, H=H, I=I, Is=Is, BI=BI, BH=BH, ROUTED_IN=routed, num_warps=W1, **route)
-    BHo = min(BH2, next_pow2(H))
-    BIo = min(BI2, next_pow2(max(I, Is)))
+           P, H=H, I=I, Is=Is, BI=BI, BH=BH, ROUTED_IN=routed, num_warps=w1, **route)
+    BHo = min(bh2, next_pow2(H))
+    BIo = min(bi2, next_pow2(max(I, Is)))
     launch(_moe_down_kernel, (T, triton.cdiv(H, BHo)),
            logits, down, shared_down, act, act_sh, route_w, route_i, y,
            logits.stride(0), *down.stride(), *shared_down.stride(), *y.stride(),
-           H=H, I=I, Is=Is, BH=BHo, BI=BIo, num_warps=W2, **route)
+           H=H, I=I, Is=Is, BH=BHo, BI=BIo, num_warps=w2, **route)
     return y
 
 

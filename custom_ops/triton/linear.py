@@ -85,10 +85,12 @@ def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps,
     rm = tl.arange(0, BM)
     mm = rm < M
     if REGS:                                         # NORM, M == 1, the whole row one tile (docstring)
-        row = _normed_row(x, res, nw, normed, hout, eps, pid, K, KP, DT)                        # [KP]
         pk = tl.arange(0, KP)
         mk = pk < K
+        # the weight load first: it does not depend on the row, so its DRAM latency overlaps the prologue's L2
+        # loads and reductions (whose block barriers the compiler does not move a load across)
         wt = tl.load(w + rn64[:, None] * s_w_n + pk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+        row = _normed_row(x, res, nw, normed, hout, eps, pid, K, KP, DT)                        # [KP]
         tl.store(y + rn, to_dt(tl.sum(wt.to(tl.float32) * row.to(tl.float32)[None, :], axis=1), DT), mask=mn)
     else:
         if NORM:
@@ -145,9 +147,12 @@ def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps,
 # the H200 by `python -m onegraph.tools.bench_linear` (benchmarks/h200_linear.json). At M = 1 it reads the
 # fused GDN in_proj (50.6 MB) in 13.7 us (87 % of copy bandwidth; cuBLAS 15.6 us), out_proj (16.8 MB,
 # K = 4096) in 6.5 us (61 %; cuBLAS 9.4 us: a fixed ~2 us of launch and ramp-up dominates at this size).
+# K = 4096 at M = 1 then took one row whole per program, (1, 4096, 8, 1): 5.9 us against 6.6 for (4, 128, 8, 1)
+# on the same H200 run (12 weights per graph, benchmarks/h200_moe_bs1_tiles.json): a program's 8 KB in flight
+# at once where the loop waited one DRAM latency per tile (its loads feed no tl.dot and are not pipelined).
 TILES = {
     (True, 2048): (4, 128, 8, 3),
-    (True, 4096): (4, 128, 8, 1),
+    (True, 4096): (1, 4096, 8, 1),
     (False, 2048): (32, 128, 4, 4),
     (False, 4096): (16, 256, 4, 4),
 }
