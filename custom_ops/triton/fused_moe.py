@@ -262,6 +262,13 @@ ROUTE_FIRST_FROM = 2
 PREROUTED: bool | None = None
 
 
+def decode_tiles(T) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """((BI, BH, warps) of the SwiGLU kernel, (BH, BI, warps) of the down kernel) for a decode call over T tokens;
+    fused_moe_fp8's decode kernels take the same (same summation order as the bf16 kernels)."""
+    # bool(): under a symbolic batch (tools/bench_symbolic_batch.py) T == 1 is a SymBool, guarded on the example
+    return (SWIGLU_ONE, DOWN_ONE) if bool(T == 1) else ((BI1, BH1, W1), (BH2, BI2, W2))
+
+
 def route_first(T: int) -> bool:
     """Does a decode call over T tokens route in _route_kernel before the SwiGLU kernel (static at trace time)?"""
     return T >= ROUTE_FIRST_FROM if PREROUTED is None else PREROUTED
@@ -298,9 +305,7 @@ def fused_moe_triton(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tenso
     act_sh = torch.empty((T, Is), dtype=x.dtype, device=x.device)
     route_w, route_i, routed = route_buffers(logits, T, E, top_k)
     y = torch.empty((T, H), dtype=out_dtype, device=x.device)
-    # bool(): under a symbolic batch (tools/bench_symbolic_batch.py) T == 1 is a SymBool, guarded on the example
-    one = bool(T == 1)
-    (bi1, bh1, w1), (bh2, bi2, w2) = (SWIGLU_ONE, DOWN_ONE) if one else ((BI1, BH1, W1), (BH2, BI2, W2))
+    (bi1, bh1, w1), (bh2, bi2, w2) = decode_tiles(T)
     BI = min(bi1, next_pow2(max(I, Is)))
     BH = min(bh1, next_pow2(H))
     route = dict(E=E, BE=next_pow2(E), TOPK=top_k, BKK=next_pow2(top_k))

@@ -30,7 +30,7 @@ from ..fused_moe_fp8 import _validate
 from ..linear_fp8 import BLOCK
 from . import fused_moe_fp8_prefill
 from ._common import launch, next_pow2, rnd, to_dt
-from .fused_moe import _route_nth, _route_row, route_buffers, route_triton
+from .fused_moe import _route_nth, _route_row, decode_tiles, route_buffers, route_triton
 
 
 @triton.jit
@@ -146,19 +146,16 @@ def _moe_fp8_down_kernel(logits, down, d_s, sh_down, sd_s, act, act_sh, route_w,
     tl.store(y + t * s_y_t + rows * s_y_h, to_dt(res, RT), mask=mrow)
 
 
-# Tiles (rows, columns, warps): kernel 1 reads [BI1, BH1] e4m3 tiles of gate and up per step, kernel 2
-# [k, BH2, BI2] tiles of down. BI1 and BH2 (weight rows per program) must divide 128 (one block row per
-# program). Started from fused_moe's bf16 tiles (same grids, so the same parallelism); not measured on a GPU:
-# with half the bytes per tile, wider column tiles may pay (.dev/moe_fp8_bench.py tries a few).
-TILES = {"swiglu": (4, 256, 4), "down": (4, 128, 4)}
-
 
 def _launch_decode(x, logits, gate_up, gate_up_scale, down, down_scale, shared_gate, shared_gate_scale,
                    shared_up, shared_up_scale, shared_down, shared_down_scale, top_k, out_dtype):
     T, H = x.shape
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
     Is = shared_gate.shape[0]
-    (bi1, bh1, w1), (bh2, bi2, w2) = TILES["swiglu"], TILES["down"]
+    # fused_moe's tiles (rows, columns, warps), so the same grids and summation order as the bf16 kernels:
+    # kernel 1 reads [BI1, BH1] e4m3 tiles of gate and up per step, kernel 2 [k, BH2, BI2] tiles of down.
+    # BI1 and BH2 (weight rows per program) must divide 128: one block row per program.
+    (bi1, bh1, w1), (bh2, bi2, w2) = decode_tiles(T)
     if BLOCK % bi1 or BLOCK % bh2:
         raise ValueError(f"fused_moe_fp8: weight-row tiles must divide {BLOCK}, got {bi1} and {bh2}")
     # the scale tables are read as contiguous rows of block columns (a few KiB; contiguous already when loaded)
