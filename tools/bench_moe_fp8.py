@@ -19,6 +19,7 @@ import torch
 import onegraph.custom_ops.triton  # noqa: F401  (registers the triton ops)
 from onegraph.custom_ops.triton import fused_moe_fp8 as fp8mod
 from onegraph.tools.bench_ops import MOE, rand, time_graph
+from onegraph.tools.tune_moe import set_tiles
 
 BLOCK = 128
 
@@ -31,6 +32,14 @@ def quantize(w):
     s = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
     q = (b / s[..., :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(*lead, n, k)
     return q, s
+
+
+def set_fp8_tiles(B, swiglu, down):
+    """fused_moe_fp8.tiles: its own ONE at one token, fused_moe's decode tiles above."""
+    if B == 1:
+        fp8mod.ONE = (tuple(swiglu), tuple(down))
+    else:
+        set_tiles(B, tuple(swiglu) + tuple(down))
 
 
 def per_call(fn, cases, reps=10):
@@ -67,23 +76,28 @@ def main(argv=None) -> int:
         us_bf = per_call(ops.fused_moe_triton, bf_cases)
         row = {"B": B, "distinct_experts": distinct, "bf16_us": round(us_bf, 2),
                "bf16_GBps": round(2 * nbytes / us_bf / 1e3, 1), "fp8_vs_bf16_rel_l2": rel, "fp8": []}
+        # decode tiles (swiglu BI, BH, warps, down BH, BI, warps), shared with the bf16 kernels (fused_moe.decode_tiles)
+        base = fp8mod.tiles(B)
         variants = [None]
-        if B * k <= E:                                    # the decode kernels: a few tiles besides the default
-            variants += [{"swiglu": s, "down": d} for s, d in (
-                ((4, 512, 4), (4, 128, 4)), ((8, 512, 4), (4, 128, 4)), ((4, 512, 8), (4, 128, 4)),
-                ((4, 256, 4), (4, 256, 4)), ((4, 256, 4), (8, 128, 4)), ((4, 256, 4), (4, 256, 8)),
-                ((4, 512, 4), (4, 256, 4)))]
-        base = dict(fp8mod.TILES)
+        if B * k <= E and B == 1:                         # the whole-row tiles, wider ones (fp8: half the bytes)
+            variants += [((4, 2048, 4), (1, 256, 4)), ((4, 2048, 2), (1, 256, 4)), ((2, 2048, 2), (1, 512, 4)),
+                         ((2, 2048, 2), (2, 512, 4)), ((4, 256, 4), (4, 128, 4))]
+        elif B * k <= E:
+            variants += [((4, 512, 4), (4, 128, 4)), ((8, 512, 4), (4, 128, 4)), ((4, 512, 8), (4, 128, 4)),
+                         ((4, 256, 4), (4, 256, 4)), ((4, 256, 4), (8, 128, 4)), ((4, 256, 4), (4, 256, 8)),
+                         ((4, 512, 4), (4, 256, 4))]
         for v in variants:
-            fp8mod.TILES.update(v or {})
+            swiglu, down = v or base
+            set_fp8_tiles(B, swiglu, down)
             try:
                 us = per_call(ops.fused_moe_fp8_triton, f8_cases)
-                row["fp8"].append({"tiles": dict(fp8mod.TILES), "us": round(us, 2),
+                row["fp8"].append({"tiles": {"swiglu": swiglu, "down": down}, "us": round(us, 2),
                                    "GBps": round(nbytes / us / 1e3, 1)})
             except Exception as e:  # a tile that does not compile: recorded, the sweep goes on
-                row["fp8"].append({"tiles": dict(fp8mod.TILES), "error": f"{type(e).__name__}: {str(e)[:200]}"})
-            fp8mod.TILES.clear()
-            fp8mod.TILES.update(base)
+                row["fp8"].append({"tiles": {"swiglu": swiglu, "down": down},
+                                   "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            finally:
+                set_fp8_tiles(B, *base)
         best = min((r for r in row["fp8"] if "us" in r), key=lambda r: r["us"])
         print(f"B={B:3d}  distinct experts {distinct:5.1f}  bf16 {us_bf:7.2f} us ({row['bf16_GBps']} GB/s)  "
               f"fp8 default {row['fp8'][0].get('us')} us ({row['fp8'][0].get('GBps')} GB/s)  "

@@ -31,6 +31,16 @@ def time_copies(fn, cases, reps: int = 10) -> float:
     return time_graph(lambda: [fn(*c) for c in cases], (), 1, reps, 1) / len(cases)
 
 
+def set_tiles(B: int, tiles) -> None:
+    """fused_moe.decode_tiles (also fused_moe_fp8's) reads SWIGLU_ONE / DOWN_ONE at one token and BI1.. above it:
+    tiles = (swiglu BI, BH, warps, down BH, BI, warps)."""
+    from onegraph.custom_ops.triton import fused_moe as mod
+    if B == 1:
+        mod.SWIGLU_ONE, mod.DOWN_ONE = tuple(tiles[:3]), tuple(tiles[3:])
+    else:
+        mod.BI1, mod.BH1, mod.W1, mod.BH2, mod.BI2, mod.W2 = tiles
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 8])
@@ -46,13 +56,6 @@ def main(argv=None) -> int:
                 rand(g, Is, H, scale=H ** -0.5), rand(g, Is, H, scale=H ** -0.5), rand(g, H, Is, scale=Is ** -0.5),
                 rand(g, 1, H, scale=H ** -0.5)) for _ in range(args.copies)]
     base = {"many": (mod.BI1, mod.BH1, mod.W1, mod.BH2, mod.BI2, mod.W2), "one": mod.SWIGLU_ONE + mod.DOWN_ONE}
-
-    def set_tiles(B, tiles):
-        """The op reads SWIGLU_ONE / DOWN_ONE at one token and the BI1.. constants above it."""
-        if B == 1:
-            mod.SWIGLU_ONE, mod.DOWN_ONE = tuple(tiles[:3]), tuple(tiles[3:])
-        else:
-            mod.BI1, mod.BH1, mod.W1, mod.BH2, mod.BI2, mod.W2 = tiles
 
     # 1-2 warps too: a routed program's in-kernel routing is j + 1 block reductions, cheaper the fewer warps
     # it spans, and smaller programs fit more per SM. Tiles whose fp32 accumulators would take more than 64

@@ -264,7 +264,7 @@ PREROUTED: bool | None = None
 
 def decode_tiles(T) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """((BI, BH, warps) of the SwiGLU kernel, (BH, BI, warps) of the down kernel) for a decode call over T tokens;
-    fused_moe_fp8's decode kernels take the same (same summation order as the bf16 kernels)."""
+    fused_moe_fp8's decode kernels take the same above one token."""
     # bool(): under a symbolic batch (tools/bench_symbolic_batch.py) T == 1 is a SymBool, guarded on the example
     return (SWIGLU_ONE, DOWN_ONE) if bool(T == 1) else ((BI1, BH1, W1), (BH2, BI2, W2))
 

@@ -147,15 +147,27 @@ def _moe_fp8_down_kernel(logits, down, d_s, sh_down, sd_s, act, act_sh, route_w,
 
 
 
+# Tiles ((BI1, BH1, warps) of kernel 1, (BH2, BI2, warps) of kernel 2): kernel 1 reads [BI1, BH1] e4m3 tiles of
+# gate and up per step, kernel 2 [k, BH2, BI2] tiles of down. BI1 and BH2 (weight rows per program) must divide
+# 128: one block row per program. Above one token fused_moe's (fused_moe.decode_tiles). At one token the
+# whole-row SwiGLU tile as fused_moe's, but down two rows per program: H200, each call on its own weights,
+# 12 calls per replayed CUDA graph (`python -m onegraph.tools.bench_moe_fp8 --batches 1 --copies 12`,
+# benchmarks/h200_moe_fp8_bs1_tiles.json): 18.5 us per call where fused_moe's (2, 2048, 2) / (1, 256, 4) took 22.6
+# and the looped (4, 256, 4) / (4, 128, 4) 20.1 (the bf16 op: 20.7).
+ONE = ((2, 2048, 2), (2, 512, 4))
+
+
+def tiles(T) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    # bool(): under a symbolic batch T == 1 is a SymBool, guarded on the example (as fused_moe.decode_tiles)
+    return ONE if bool(T == 1) else decode_tiles(T)
+
+
 def _launch_decode(x, logits, gate_up, gate_up_scale, down, down_scale, shared_gate, shared_gate_scale,
                    shared_up, shared_up_scale, shared_down, shared_down_scale, top_k, out_dtype):
     T, H = x.shape
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
     Is = shared_gate.shape[0]
-    # fused_moe's tiles (rows, columns, warps), so the same grids and summation order as the bf16 kernels:
-    # kernel 1 reads [BI1, BH1] e4m3 tiles of gate and up per step, kernel 2 [k, BH2, BI2] tiles of down.
-    # BI1 and BH2 (weight rows per program) must divide 128: one block row per program.
-    (bi1, bh1, w1), (bh2, bi2, w2) = decode_tiles(T)
+    (bi1, bh1, w1), (bh2, bi2, w2) = tiles(T)
     if BLOCK % bi1 or BLOCK % bh2:
         raise ValueError(f"fused_moe_fp8: weight-row tiles must divide {BLOCK}, got {bi1} and {bh2}")
     # the scale tables are read as contiguous rows of block columns (a few KiB; contiguous already when loaded)

@@ -160,10 +160,11 @@ DEFAULT_TILE = {True: (4, 128, 8, 3), False: (32, 128, 4, 4)}
 
 
 # add_rms_norm_linear at M = 1 (REGS): (BN, warps) with BK the whole row, up to NORM_ROW_MAX_K columns (a
-# [BN, K] weight tile in registers: 32 values a thread at (4, 2048, 8 warps)). The best of 9 (BN, warps) on the
-# H200 (`python -m onegraph.tools.bench_linear --norm --rows 1`, benchmarks/h200_linear_norm.json): GDN in_proj
-# 16.4 us, attention [q; k; v] 12.8 (norm kernel + GEMV: 15.5, 12.9); the router's own best, (2, 8), 2.5 vs 2.7.
-NORM_ROW_TILE, NORM_ROW_MAX_K = (4, 8), 4096
+# [BN, K] weight tile in registers: 64 values a thread at (4, 2048, 4 warps)). The best of 9 (BN, warps) over a
+# 35B step on the H200 (`python -m onegraph.tools.bench_linear --norm --rows 1`, benchmarks/h200_linear_norm.json,
+# second run: the weight load issued before the norm prologue): GDN in_proj 14.2 us, attention [q; k; v] 11.0
+# (norm kernel + GEMV: 15.3, 12.9); the router 2.35 (its own best, (4, 8), 2.26).
+NORM_ROW_TILE, NORM_ROW_MAX_K = (4, 4), 4096
 
 
 def norm_row_tile(K: int) -> tuple[int, int, int, int]:
