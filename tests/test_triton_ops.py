@@ -248,6 +248,17 @@ def test_attention_decode_splits(block_n, nsplit, dtype):
     close(got, reference_attention_decode(*args), TOL[dtype] / 2, f"BN={block_n} splits={nsplit}")
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_decode_combine_chunks(dtype, monkeypatch):
+    """The combine kernel over head-dim chunks (35B: D = 256 in chunks of COMBINE_D = 64), here D = 24 in chunks
+    of 16, the last one partial."""
+    monkeypatch.setattr(attn_mod, "COMBINE_D", 16)
+    args = attn_args(4, 6, 2, 24, 5, 50, dtype, 13, [4, 0, 2, 0], [0, 49, 17, 31])
+    got = attn_mod.run(*args, block_n=16, nsplit=4)
+    close(got, reference_attention_decode(*args), TOL[dtype] / 2, "combine in D chunks")
+
+
 # ---------------------------------------------------------------- norms
 
 @needs_triton
