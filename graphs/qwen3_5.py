@@ -241,14 +241,17 @@ class GatedAttention(nn.Module):
     def decode(self, x, slots, positions, inv_freq, k_cache, v_cache):
         """x [B, H] -> [B, H]; writes this step's k/v at (slots, positions), positions past the cache
         clamped to its last row (never index past the cache)."""
-        return self.decode_clamped(x, slots, positions.clamp(0, k_cache.shape[2] - 1), inv_freq, k_cache, v_cache)
+        return self.decode_rows(x, slots, positions, positions.clamp(0, k_cache.shape[2] - 1), inv_freq, k_cache,
+                                v_cache)
 
-    def decode_clamped(self, x, slots, positions, inv_freq, k_cache, v_cache):
-        """decode for positions already in [0, Tmax): Qwen35Model.decode clamps once per step for every
-        layer (a clamp per layer is a kernel launch per layer)."""
-        q, gate, k, v = self._qkv(x, positions, inv_freq)
-        k_cache[slots, :, positions] = k   # [B, KVH, D] at (slot, :, pos)
-        v_cache[slots, :, positions] = v
+    def decode_rows(self, x, slots, positions, w_pos, inv_freq, k_cache, v_cache):
+        """decode at w_pos, positions (>= 0) clamped into the cache (Qwen35Model.decode clamps once per step for
+        every layer): rope and this step's k/v rows. The keys attended (j <= position) are the same for
+        positions as for w_pos, so attention takes positions, a graph input: handed the clamp, a kernel got it
+        recomputed by AOTInductor into a one-element buffer of its own (a launch per kernel and layer)."""
+        q, gate, k, v = self._qkv(x, w_pos, inv_freq)
+        k_cache[slots, :, w_pos] = k   # [B, KVH, D] at (slot, :, pos)
+        v_cache[slots, :, w_pos] = v
         # the output gate is applied inside the op (the CUDA lowering's combine kernel)
         o = ops.attention_decode(q, k_cache, v_cache, slots, positions, self.scale, gate)    # [B, Hq, D]
         return self.o_proj(o.reshape(o.shape[0], -1))
@@ -401,14 +404,14 @@ class Qwen35Model(nn.Module):
 
     def decode(self, tokens, slots, positions, temperature, top_k, top_p, seed, *state):
         kinds = self.cfg.layer_types
-        # clamped once per step, not per layer: never index past the cache (sampling keeps `positions`)
-        kv_pos = (positions.clamp(0, state[2 * kinds.index("full_attention")].shape[2] - 1)
-                  if "full_attention" in kinds else positions)
+        # the KV write rows clamped once per step, not per layer: never index past the cache
+        w_pos = (positions.clamp(0, state[2 * kinds.index("full_attention")].shape[2] - 1)
+                 if "full_attention" in kinds else positions)
 
         def mixer(layer, x, st):
             if layer.kind == "linear_attention":
                 return layer.linear_attn.decode(x, slots, *st)
-            return layer.self_attn.decode_clamped(x, slots, kv_pos, self.inv_freq, *st)
+            return layer.self_attn.decode_rows(x, slots, positions, w_pos, self.inv_freq, *st)
 
         logits = self._logits(self._layers(self.embed_tokens(tokens), state, mixer))
         return ops.sample(logits, temperature, top_k, top_p, seed, positions), logits

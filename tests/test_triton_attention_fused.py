@@ -185,7 +185,7 @@ def _attention_layer_programs(model, kind):
 
         def forward(self, x, slots, positions, n_valid, kc, vc):
             if kind == "decode":
-                return self.attn.decode_clamped(x, slots, positions, inv, kc, vc)
+                return self.attn.decode_rows(x, slots, positions, positions, inv, kc, vc)
             return self.attn.prefill(x, slots, positions, n_valid, inv, kc, vc)
 
     g, dt, dev = gen(3), model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
