@@ -20,6 +20,11 @@ writes the rows in place: no clone, no copy, no extra launch. Only that exact pa
 the caches user inputs read by nothing else before the write, k' used only by its index_put (directly
 or through one same-shape view), v of k's shape, both
 index_puts at the same (w_slots, w_pos) nodes and consumed by one attention op as its k/v caches.
+
+Where the rope positions and w_pos are one `aten.clamp(p, 0, Tmax - 1)` (the decode step's clamp into the
+cache), the twin takes p itself with clamp=True and clamps in its kernel: a graph input, where AOTInductor
+recomputed the clamp into a one-element buffer of its own for each kernel that took it (2 launches per
+attention layer at batch 1 on the H200).
 """
 from __future__ import annotations
 
@@ -62,6 +67,16 @@ def _same_rows(value_shape, shape) -> bool:
     return lead >= 0 and value_shape == shape[lead:] and all(d == 1 for d in shape[:lead])
 
 
+def _clamped_input(pos, w_pos, kc):
+    """p if pos and w_pos are the one node aten.clamp(p, 0, Tmax - 1), Tmax the cache length, else None."""
+    if pos is not w_pos or w_pos.op != "call_function" or w_pos.target is not torch.ops.aten.clamp.default:
+        return None
+    t_max = kc.meta["val"].shape[2]
+    if tuple(w_pos.args[1:]) != (0, t_max - 1) or w_pos.kwargs or not isinstance(t_max, int):
+        return None
+    return w_pos.args[0]
+
+
 def fold_kv_writes(ep: torch.export.ExportedProgram) -> int:
     """Rewrites `ep` in place (see the module docstring); returns how many layers were folded."""
     gm, graph = ep.graph_module, ep.graph
@@ -69,6 +84,7 @@ def fold_kv_writes(ep: torch.export.ExportedProgram) -> int:
     order = {n: i for i, n in enumerate(graph.nodes)}
     twin_op = torch.ops.onegraph.qk_norm_rope_kv_inplace_triton.default
     renamed: dict[str, str] = {}
+    clamps: set[torch.fx.Node] = set()
     folded = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or _qualname(node.target) != FUNCTIONAL:
@@ -105,8 +121,12 @@ def fold_kv_writes(ep: torch.export.ExportedProgram) -> int:
             continue
         args = dict(zip([a.name for a in node.target._schema.arguments], node.args))
         args.update(node.kwargs)
-        kwargs = dict(args, v=v, w_slots=w_slots, w_pos=w_pos, _k_cache_base_index=0, _v_cache_base_index=1,
-                      _all_bases=[kc, vc])
+        kwargs = dict(args, v=v, w_slots=w_slots, w_pos=w_pos, clamp=False, _k_cache_base_index=0,
+                      _v_cache_base_index=1, _all_bases=[kc, vc])
+        raw = _clamped_input(args["positions"], w_pos, kc)
+        if raw is not None:
+            kwargs.update(positions=raw, w_pos=raw, clamp=True)
+            clamps.add(w_pos)
         with graph.inserting_before(last):
             if tuple(v.meta["val"].shape) != shape:                      # the twin reads v as [N, KVH, D]
                 v = graph.call_function(torch.ops.aten.view.default, (v, list(shape)))
@@ -127,6 +147,9 @@ def fold_kv_writes(ep: torch.export.ExportedProgram) -> int:
         for dead in (k_put, v_put, *([k_view] if k_view is not None else []), outs[1], outs[0], node):
             graph.erase_node(dead)
         folded += 1
+    for c in clamps:
+        if not c.users:
+            graph.erase_node(c)
     if folded:
         rename_outputs(ep, renamed)
     return folded

@@ -171,7 +171,7 @@ def test_qk_norm_rope_kv_inplace(dtype):
 
 
 def _attention_layer_programs(model, kind):
-    """The tiny attention layer's decode (positions already clamped) or prefill (2 padding rows),
+    """The tiny attention layer's decode (one position past the cache) or prefill (2 padding rows),
     exported and lowered with the Triton ops: (module, inputs, unfolded program, folded program, folded count)."""
     from onegraph.custom_ops import decompositions
     from onegraph.export.inplace_kv import fold_kv_writes
@@ -185,7 +185,7 @@ def _attention_layer_programs(model, kind):
 
         def forward(self, x, slots, positions, n_valid, kc, vc):
             if kind == "decode":
-                return self.attn.decode_rows(x, slots, positions, positions, inv, kc, vc)
+                return self.attn.decode(x, slots, positions, inv, kc, vc)        # clamps the positions
             return self.attn.prefill(x, slots, positions, n_valid, inv, kc, vc)
 
     g, dt, dev = gen(3), model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
@@ -193,7 +193,7 @@ def _attention_layer_programs(model, kind):
     N = 3 if kind == "decode" else 6
     cache = lambda: torch.randn(S, cfg.num_kv_heads, T, cfg.head_dim, generator=g).to(dt).to(dev)  # noqa: E731
     if kind == "decode":
-        slots, positions = torch.tensor([2, 0, 3]), torch.tensor([5, 0, 15])
+        slots, positions = torch.tensor([2, 0, 3]), torch.tensor([5, 0, 20])             # 20: past the cache
     else:
         slots, positions = torch.tensor([1]), torch.tensor([4])
     inputs = (torch.randn(N, cfg.hidden_size, generator=g).to(dt).to(dev), slots.to(dev), positions.to(dev),
@@ -228,6 +228,10 @@ def test_fold_kv_writes(tiny_dev, kind):
     twins = [n for n in folded.graph.nodes if n.op == "call_function" and n.target is not operator.getitem
              and n.args and n.args[0] is torch.ops.onegraph.qk_norm_rope_kv_inplace_triton.default]
     assert len(twins) == 1, targets
+    # decode: the layer's positions clamp is the twin's (the kernel takes the raw positions); prefill's
+    # rope positions and write rows differ (padding rows), so it keeps them
+    assert twins[0].kwargs["clamp"] == (kind == "decode")
+    assert (torch.ops.aten.clamp.default in targets) == (kind == "prefill"), targets
     a, b, e = ([t.clone() for t in inputs] for _ in range(3))
     with torch.no_grad():
         want = plain.module()(*a)
@@ -257,11 +261,17 @@ def test_fold_kv_writes_whole_decode_graph(tiny_dev):
                                      dynamic_shapes=dynamic_shapes(spec), strict=False)
             progs.append(ep.run_decompositions(decompositions("cuda")))
     assert fold_kv_writes(progs[1]) == model.cfg.layer_types.count("full_attention")
-    assert torch.ops.aten.index_put.default not in [n.target for n in progs[1].graph.nodes]
+    targets = [n.target for n in progs[1].graph.nodes]
+    assert torch.ops.aten.index_put.default not in targets
+    # the step's positions clamp is done in the twin's kernel: the twins take the positions input itself
+    assert torch.ops.aten.clamp.default not in targets, targets
+    twins = [n for n in progs[1].graph.nodes if n.op == "call_function" and n.args
+             and n.args[0] is torch.ops.onegraph.qk_norm_rope_kv_inplace_triton.default]
+    assert twins and all(n.kwargs["clamp"] and n.kwargs["positions"].op == "placeholder" for n in twins)
     g = gen(4)
     state = [(torch.randn(t.shape, generator=g) * 0.1).to(t.dtype).to(DEVICE)
              for t in new_state(model.cfg, 3, 32, torch.float32)]
-    head = [torch.tensor(v, device=DEVICE) for v in ([7, 9], [2, 0], [5, 31])]
+    head = [torch.tensor(v, device=DEVICE) for v in ([7, 9], [2, 0], [5, 40])]       # 40: past the cache
     head += [torch.zeros(2, device=DEVICE), torch.zeros(2, dtype=torch.int64, device=DEVICE),
              torch.ones(2, device=DEVICE), torch.zeros(2, dtype=torch.int64, device=DEVICE)]
     runs = []
@@ -319,6 +329,7 @@ for kind in ("decode", "prefill"):
     print(kind, "kernels:", kernels)
     assert [k for k in kernels if k.startswith("_qk_norm_rope_kernel")], kernels
     assert not [k for k in kernels if "index_put" in k], f"a KV write kernel survived: {{kernels}}"
+    assert not [k for k in kernels if "clamp" in k], f"a positions clamp kernel survived: {{kernels}}"
     assert "proxy_executor_call_function(" not in src, "an op is called back through Python (proxy executor)"
     assert not package_copies(src), f"a copy of a cache survived: {{package_copies(src)[:6]}}"
     pkg = torch._inductor.aoti_load_package(path)

@@ -36,9 +36,9 @@ from .norms import _warps
 @triton.jit
 def _qk_norm_rope_kernel(q, k, v, wq, wk, positions, inv_freq, q_out, k_dst, v_dst, w_slots, w_pos,
                          s_q_n, s_q_h, s_q_d, s_k_n, s_k_h, s_k_d, s_v_n, s_v_h, s_v_d,
-                         s_kd_s, s_kd_h, s_kd_t, s_kd_d, s_vd_s, s_vd_h, s_vd_t, s_vd_d, n_d, eps,
+                         s_kd_s, s_kd_h, s_kd_t, s_kd_d, s_vd_s, s_vd_h, s_vd_t, s_vd_d, n_d, eps, t_max,
                          HQ: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                         BD: tl.constexpr, WRITE_KV: tl.constexpr):
+                         BD: tl.constexpr, WRITE_KV: tl.constexpr, CLAMP: tl.constexpr):
     n = tl.program_id(0)
     h = tl.program_id(1)
     DT: tl.constexpr = q.dtype.element_ty
@@ -52,6 +52,8 @@ def _qk_norm_rope_kernel(q, k, v, wq, wk, positions, inv_freq, q_out, k_dst, v_d
     if WRITE_KV:
         slot = tl.load(w_slots + n)
         t = tl.load(w_pos + n)
+        if CLAMP:                                   # w_pos and positions raw: clamped into the cache here
+            t = tl.minimum(tl.maximum(t, 0), t_max - 1)
     else:
         slot = n
         t = 0
@@ -87,7 +89,10 @@ def _qk_norm_rope_kernel(q, k, v, wq, wk, positions, inv_freq, q_out, k_dst, v_d
     # cos/sin of position * inv_freq[i mod HALF] in fp32, rounded to DT (as rope.py)
     fi = tl.where(first, offs, offs - HALF)
     freq = tl.load(inv_freq + fi, mask=rot, other=0.0).to(tl.float32)
-    ang = tl.load(positions + n).to(tl.float32) * freq
+    pos = tl.load(positions + n)
+    if CLAMP:
+        pos = tl.minimum(tl.maximum(pos, 0), t_max - 1)
+    ang = pos.to(tl.float32) * freq
     cos = rnd(tl.cos(ang), DT)
     sin = rnd(tl.sin(ang), DT)
     out = rnd(rnd(yv * cos, DT) + rnd(yp * sin, DT), DT)
@@ -95,9 +100,10 @@ def _qk_norm_rope_kernel(q, k, v, wq, wk, positions, inv_freq, q_out, k_dst, v_d
     tl.store(y_at, to_dt(out, DT), mask=m)
 
 
-def run(q, k, q_weight, k_weight, positions, inv_freq, eps: float, kv=None):
+def run(q, k, q_weight, k_weight, positions, inv_freq, eps: float, kv=None, clamp: bool = False):
     """-> (q' [N, HQ, D], k' [N, KVH, D]); kv = (v, w_slots, w_pos, k_cache, v_cache): k' and v are
-    written into the caches at (w_slots[n], :, w_pos[n]) instead, and k' is not returned (None)."""
+    written into the caches at (w_slots[n], :, w_pos[n]) instead, and k' is not returned (None).
+    clamp (with kv): positions and w_pos clamped to [0, cache length) in the kernel."""
     N, HQ, D = q.shape
     KVH = k.shape[1]
     q_out = torch.empty((N, HQ, D), dtype=q.dtype, device=q.device)
@@ -114,7 +120,8 @@ def run(q, k, q_weight, k_weight, positions, inv_freq, eps: float, kv=None):
     BD = next_pow2(D)
     launch(_qk_norm_rope_kernel, (N, HQ + KVH), q, k, v, q_weight, k_weight, positions, inv_freq, q_out, k_dst, v_dst,
            w_slots, w_pos, *q.stride(), *k.stride(), *v_strides, *kd_strides, *vd_strides, D, eps,
-           HQ=HQ, KVH=KVH, D=D, HALF=inv_freq.shape[0], BD=BD, WRITE_KV=kv is not None,
+           k_dst.shape[2] if kv is not None else 1,
+           HQ=HQ, KVH=KVH, D=D, HALF=inv_freq.shape[0], BD=BD, WRITE_KV=kv is not None, CLAMP=clamp,
            num_warps=_warps(BD))            # the warp count of _rms_norm_kernel: same reduction order
     return q_out, k_out
 
@@ -141,15 +148,18 @@ def _validate_kv(q, k, v, w_slots, w_pos, k_cache, v_cache):
 def qk_norm_rope_kv_inplace_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
                                    k_weight: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, eps: float,
                                    w_slots: torch.Tensor, w_pos: torch.Tensor, k_cache: torch.Tensor,
-                                   v_cache: torch.Tensor) -> torch.Tensor:
+                                   v_cache: torch.Tensor, clamp: bool = False) -> torch.Tensor:
     """qk_norm_rope_triton(q, k, ...) -> (q', k') followed by k_cache[w_slots, :, w_pos] = k' and
     v_cache[w_slots, :, w_pos] = v, in one kernel; returns q'. Export puts it in place of that pattern
     (export/inplace_kv.py); never called by the model. (w_slots, w_pos) pairs must be distinct, as for
-    the index_put it replaces, or the rows written there are unspecified."""
+    the index_put it replaces, or the rows written there are unspecified. clamp: positions and w_pos are
+    used as positions.clamp(0, Tmax - 1) and w_pos.clamp(0, Tmax - 1) (Tmax = k_cache.shape[2]), so the
+    graph hands the kernel its raw positions input rather than a clamp AOTInductor would recompute into a
+    buffer of its own for each kernel."""
     _validate(q, k, q_weight, k_weight, positions, inv_freq, eps)
     _validate_kv(q, k, v, w_slots, w_pos, k_cache, v_cache)
     kv = (v, w_slots.contiguous(), w_pos.contiguous(), k_cache, v_cache)
-    return run(q, k, q_weight, k_weight, positions.contiguous(), inv_freq.contiguous(), eps, kv)[0]
+    return run(q, k, q_weight, k_weight, positions.contiguous(), inv_freq.contiguous(), eps, kv, clamp)[0]
 
 
 _registry.register_lowering("qk_norm_rope", "triton", torch.ops.onegraph.qk_norm_rope_triton.default)
