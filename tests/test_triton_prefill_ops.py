@@ -239,6 +239,24 @@ def test_sample_wide_top_p():
     assert "deep" in paths and "bisect" in paths, paths
 
 
+@needs_triton
+def test_sample_reads_no_unwritten_partial(monkeypatch):
+    """The kernels' partial buffers are not zero-filled: with every new buffer filled with garbage (NaN,
+    -1) greedy, plain, top-k and top-p rows mixed in one call still give the reference's ids."""
+    empty = torch.empty
+
+    def garbage(*shape, **kw):
+        t = empty(*shape, **kw)
+        return t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    monkeypatch.setattr(sample_mod.torch, "empty", garbage)
+    g = gen(5)
+    logits = torch.randn(4, 1000, generator=g) * 3
+    args = sample_args(logits, [0.0, 0.8, 1.0, 1.2], [0, 0, 7, 0], [1.0, 1.0, 1.0, 0.6], [1, 2, 3, 4], 9)
+    check_sample(args, "garbage partials, 2 chunks", nsplit=2, nb=4, bv=128, r=16)
+    check_sample(args, "garbage partials, plan")
+
+
 @cuda_test
 @pytest.mark.parametrize("B", [1, 64])
 def test_sample_35b(B):

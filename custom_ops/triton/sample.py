@@ -322,12 +322,14 @@ def run(logits, temperature, top_k, top_p, seed, position, nsplit: int, nb: int,
         raise ValueError(f"sample: {nsplit} chunks of {nb} tiles of {bv} do not cover V={V} (or not powers of 2)")
     f32 = dict(dtype=torch.float32, device=logits.device)
     i32 = dict(dtype=torch.int32, device=logits.device)
-    # per (row, chunk) partials; zero-filled: chunks of greedy rows write no Gumbel partials
+    # per (row, chunk) partials, not zero-filled (that was 6 launches a step): a greedy row's chunks write no
+    # Gumbel partials (w_*, p_*, cand), and the pick kernel reads them only for a sampled row, whose chunks
+    # all write every one of them
     g_val, g_idx = torch.empty((B, nsplit), **f32), torch.empty((B, nsplit), **i32)
-    w_key, w_s = torch.zeros((B, nsplit), **f32), torch.zeros((B, nsplit), **f32)
-    w_idx = torch.zeros((B, nsplit), **i32)
-    p_max, p_sum = torch.zeros((B, nsplit), **f32), torch.zeros((B, nsplit), **f32)
-    cand = torch.zeros((B, nsplit, r), dtype=torch.int64, device=logits.device)   # uint64 bits
+    w_key, w_s = torch.empty((B, nsplit), **f32), torch.empty((B, nsplit), **f32)
+    w_idx = torch.empty((B, nsplit), **i32)
+    p_max, p_sum = torch.empty((B, nsplit), **f32), torch.empty((B, nsplit), **f32)
+    cand = torch.empty((B, nsplit, r), dtype=torch.int64, device=logits.device)   # uint64 bits
     out = torch.empty((B,), dtype=torch.int64, device=logits.device)
     args = (logits, temperature, top_k, top_p, seed, position, g_val, g_idx, w_key, w_s, w_idx, p_max, p_sum, cand)
     launch(_scan_kernel, (B, nsplit), *args, logits.stride(0), V, NSPLIT=nsplit, NB=nb, BV=bv, R=r,
