@@ -72,8 +72,8 @@ def _clamped_input(pos, w_pos, kc):
     if pos is not w_pos or w_pos.op != "call_function" or w_pos.target is not torch.ops.aten.clamp.default:
         return None
     t_max = kc.meta["val"].shape[2]
-    if tuple(w_pos.args[1:]) != (0, t_max - 1) or w_pos.kwargs or not isinstance(t_max, int):
-        return None
+    if not isinstance(t_max, int) or w_pos.kwargs or tuple(w_pos.args[1:]) != (0, t_max - 1):
+        return None                      # (a symbolic cache length is not compared: no guard is added)
     return w_pos.args[0]
 
 
