@@ -28,10 +28,24 @@ def stream_capsule(stream: torch.cuda.Stream):
     return _capsule_new(ctypes.c_void_p(stream.cuda_stream), None, None)
 
 
+ALIGN = 16          # bytes: AOTInductor copies an input whose address is not a multiple of 16 before using it
+
+
+def _row_bytes(B: int, itemsize: int) -> int:
+    return -(-B * itemsize // ALIGN) * ALIGN
+
+
+def staging_bytes(B: int) -> int:
+    return 4 * _row_bytes(B, 8) + 2 * _row_bytes(B, 4)
+
+
 def split(buf: torch.Tensor, B: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A staging byte buffer -> views (int64 [4, B]: slots, positions, top_k, seed; fp32 [2, B]:
-    temperature, top_p)."""
-    return buf[:32 * B].view(torch.int64).view(4, B), buf[32 * B:].view(torch.float32).view(2, B)
+    temperature, top_p). Each row starts ALIGN bytes apart, so on the device each row is a graph input as it
+    is (a view the captured graph reads in place: no copy into separate input buffers)."""
+    ri, rf = _row_bytes(B, 8), _row_bytes(B, 4)
+    return (buf[:4 * ri].view(torch.int64).view(4, ri // 8)[:, :B],
+            buf[4 * ri:4 * ri + 2 * rf].view(torch.float32).view(2, rf // 4)[:, :B])
 
 
 class Staging:
@@ -40,7 +54,7 @@ class Staging:
 
     def __init__(self, B: int, scratch: int, pin: bool):
         self.B, self.scratch = B, scratch
-        buf = torch.zeros(4 * B * 8 + 2 * B * 4, dtype=torch.uint8)
+        buf = torch.zeros(staging_bytes(B), dtype=torch.uint8)
         self.bytes = buf.pin_memory() if pin else buf
         self.ints, self.floats = split(self.bytes, B)
         self._i, self._f = self.ints.numpy(), self.floats.numpy()
@@ -67,8 +81,8 @@ class CapturedDecode:
 
       host (numpy into pinned staging): slots, positions, top_k, seed (int64) | temperature, top_p (fp32)
       -> replay: H2D copy of the staging bytes (in the graph, unless `copy_in` is False: tensor
-         parallel replays bytes the leader broadcast to a device buffer, copied in by replay()),
-         unpack them into the graph's static inputs, tokens = last_tok[slots] (the ids sampled by the
+         parallel replays bytes the leader broadcast to a device buffer, copied in by replay()), whose
+         rows are the graph's static inputs as they lie, tokens = last_tok[slots] (the ids sampled by the
          previous step stay on the device), the lowered decode, last_tok[slots] = ids, ids -> pinned
          host buffer and an event recorded after it (the engine reads both one step late).
 
@@ -78,22 +92,19 @@ class CapturedDecode:
     fills the staging of step t, so neither buffer being rewritten is still in use."""
 
     def __init__(self, run_with_stream, B: int, state: list[torch.Tensor], last_tok: torch.Tensor, scratch: int,
-                 device: torch.device, copy_in: bool = True):
+                 device: torch.device, copy_in: bool = True, pdl_waits: frozenset[str] = frozenset()):
+        """pdl_waits: names of the graph's kernels that wait for their predecessor (the manifest's
+        lowering.pdl_waits): the edges into them become programmatic (runtime/pdl.py); empty: a plain graph."""
         self.B, self.copy_in, d = B, copy_in, device
         # two stagings alternate: the engine has read (synchronised) step t-2 before it fills step t's
         self.host = [Staging(B, scratch, pin=True) for _ in range(2)]
         self.flip = 0
-        self.dev = self.host[0].bytes.to(d)                # device copy of the staging, unpacked in the graph
-        dev_i, dev_f = split(self.dev, B)
-        z = lambda dt: torch.zeros(B, dtype=dt, device=d)  # noqa: E731
-        self.tokens, self.slots, self.positions = z(torch.int64), z(torch.int64), z(torch.int64)
-        self.temperature, self.top_k, self.top_p, self.seed = z(torch.float32), z(torch.int64), z(torch.float32), z(torch.int64)
+        self.dev = self.host[0].bytes.to(d)                # device copy of the staging; its rows are the inputs
+        (self.slots, self.positions, self.top_k, self.seed), (self.temperature, self.top_p) = split(self.dev, B)
+        self.tokens = torch.zeros(B, dtype=torch.int64, device=d)
         inputs = [self.tokens, self.slots, self.positions, self.temperature, self.top_k, self.top_p, self.seed] + state
 
         def body(stream):
-            for dst, src in ((self.slots, dev_i[0]), (self.positions, dev_i[1]), (self.top_k, dev_i[2]),
-                             (self.seed, dev_i[3]), (self.temperature, dev_f[0]), (self.top_p, dev_f[1])):
-                dst.copy_(src)
             torch.index_select(last_tok, 0, self.slots, out=self.tokens)
             out = run_with_stream(inputs, stream_capsule(stream))
             last_tok.index_copy_(0, self.slots, out[0])
@@ -113,15 +124,19 @@ class CapturedDecode:
         # run at the same time.
         self.host_ids = [torch.zeros(B, dtype=torch.int64).pin_memory() for _ in range(2)]
         self.events = [torch.cuda.Event(external=True) for _ in range(2)]
-        self.graphs, self.outs, pool = [], [], None
+        self.graphs, self.outs, pool, self.pdl = [], [], None, None
         for k in range(2):
-            g = torch.cuda.CUDAGraph()
+            g = torch.cuda.CUDAGraph(keep_graph=bool(pdl_waits))   # kept: its edges are rewritten, then instantiated
             with torch.cuda.graph(g, stream=side, pool=pool):
                 if copy_in:
                     self.dev.copy_(self.host[k].bytes, non_blocking=True)
                 out = body(side)
                 self.host_ids[k].copy_(out[0], non_blocking=True)
                 self.events[k].record(side)
+            if pdl_waits:
+                from .pdl import make_programmatic
+                self.pdl = make_programmatic(g.raw_cuda_graph(), set(pdl_waits))
+                g.instantiate()
             pool = g.pool()
             self.graphs.append(g)
             self.outs.append((out[0], out[1]))

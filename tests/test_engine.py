@@ -134,6 +134,14 @@ def test_decode_staging_rows_and_padding(engine):
     assert torch.equal(st.ints[0], torch.tensor([2, 0, 5, 9])) and torch.equal(st.ints[1], torch.tensor([17, 0, 255, 0]))
     assert torch.equal(st.ints[2], top_k) and torch.equal(st.ints[3], seed)
     assert torch.equal(st.floats[0], temperature) and torch.equal(st.floats[1], top_p)
+    # the captured graph takes each row as an input where it lies: contiguous, 16-byte aligned (else AOTInductor
+    # copies it first), the rows apart
+    for B in (1, 3, 4, 64):
+        st = Staging(B, 9, pin=False)
+        rows_ = list(st.ints) + list(st.floats)
+        offs = [r.data_ptr() - st.bytes.data_ptr() for r in rows_]
+        assert all(r.is_contiguous() and r.numel() == B for r in rows_) and all(o % 16 == 0 for o in offs)
+        assert all(b - a >= r.numel() * r.element_size() for a, b, r in zip(offs, offs[1:], rows_))
 
 LONG = [(7 * i + 3) % 250 + 1 for i in range(100)]      # 100 tokens: 7 chunks of the artifact's 16
 
