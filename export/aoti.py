@@ -17,17 +17,6 @@ from .inplace import InlineInplaceTwins
 INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
 
 
-def pdl_waits(dev: torch.device, kernels: str) -> list[str]:
-    """The kernels that wait for their predecessor (griddepcontrol.wait) in graphs lowered here for `dev`, which a
-    captured decode graph may then launch programmatically (runtime/pdl.py); recorded in the manifest's
-    "lowering" (so also in the compile cache's key). None on the CPU, without Hopper, with reference kernels, or
-    with the Triton kernels' PDL_MODE off."""
-    if dev.type != "cuda" or kernels != "auto":
-        return []
-    from onegraph.custom_ops.triton import _common
-    return _common.pdl_kernel_names() if _common.PDL_MODE and _common.pdl_device(dev) else []
-
-
 def lower_aoti(ep: torch.export.ExportedProgram, out: Path, eager_rounding: bool = True) -> Path:
     """eager_rounding: Inductor rounds every intermediate to the model dtype where eager would
     (`emulate_precision_casts`). Without it, fused bf16 kernels keep fp32 intermediates: more

@@ -234,7 +234,7 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
            jobs: int | None, on_lower_start) -> dict:
     from safetensors.torch import save_file
 
-    from .aoti import INDUCTOR_CONFIGS, lower_aoti, pdl_waits
+    from .aoti import INDUCTOR_CONFIGS, lower_aoti
     dev = torch.device(opts.device)
     dtype = resolve_dtype(opts.dtype)
     specs_wanted = [("decode", b) for b in sorted(set(opts.batch_sizes))] + \
@@ -256,8 +256,7 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
     entries, timings, compile_s, cached, dests, keys = {}, {}, {}, [], {}, {}
     sub = "graphs/rank{rank}/" if tp > 1 else "graphs/"
     weights_file = "weights_rank{rank}.safetensors" if tp > 1 else "weights.safetensors"
-    lowering = {"eager_rounding": opts.eager_rounding, "inductor": INDUCTOR_CONFIGS,
-                "pdl_waits": pdl_waits(dev, opts.kernels)}      # kernels a captured graph may launch early
+    lowering = {"eager_rounding": opts.eager_rounding, "inductor": INDUCTOR_CONFIGS}
     device_desc = device_descriptor(dev)
     n_jobs = 1 if opts.backend != "aoti" else jobs or auto_jobs(n_graphs, dev)
     work = stage / ".work"                              # programs and worker logs, removed before the manifest

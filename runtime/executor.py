@@ -228,13 +228,10 @@ class GraphExecutor:
         """Capture each decode bucket as CUDA graphs. Tensor parallel (copy_in=False): every rank captures
         its buckets in the same order (the warm-up and capture run the graph's NCCL collectives, which
         pair up across ranks), and replays the bytes rank 0 broadcast to a device buffer, so the graphs
-        do not copy a host staging in. The edges into the kernels the manifest says wait for their predecessor
-        become programmatic (runtime/pdl.py: the same results, launches overlapped)."""
+        do not copy a host staging in."""
         from .cuda_graphs import CapturedDecode
-        waits = frozenset(self.manifest.get("lowering", {}).get("pdl_waits", ()))
         self.captured = {g["bucket"]: CapturedDecode(runs[name].run_with_stream, g["bucket"], self.graph_state[name],
-                                                     self.last_tok, self.scratch, self.device, copy_in=copy_in,
-                                                     pdl_waits=waits)
+                                                     self.last_tok, self.scratch, self.device, copy_in=copy_in)
                          for name, g in self.meta.items() if g["kind"] == "decode"}
         self.path += "+cudagraphs"
 

@@ -310,34 +310,9 @@ def bench_prefill(model, weights, T: int, args, dev) -> dict:
     return r
 
 
-def pdl_compare(graph, cap, state, last_tok, B: int, dev, args, timed, steps: int = 4) -> dict:
-    """The same lowered graph captured plainly (no programmatic edge) next to `cap` (the runtime's, with them):
-    `steps` steps of each from one saved state must be bit-identical (ids and logits); replay ms of the two,
-    alternated three times (the least of each)."""
-    from onegraph.runtime.cuda_graphs import CapturedDecode
-    from onegraph.runtime.executor import Sampling
-    plain = CapturedDecode(graph.run_with_stream, B, state, last_tok, B, dev)
-    rows, pos, samp = list(range(B)), [args.position] * B, [Sampling()] * B
-    saved = [t.clone() for t in state + [last_tok]]
-    outs = []
-    for c in (plain, cap):
-        for t, s in zip(state + [last_tok], saved):
-            t.copy_(s)
-        outs.append([[x.clone() for x in c.step(rows, [p + i for p in pos], samp)] for i in range(steps)])
-    same = sum(all(torch.equal(a, b) for a, b in zip(sa, sb)) for sa, sb in zip(*outs))
-    plain_ms, pdl_ms = [], []
-    for _ in range(3):
-        plain_ms.append(timed(lambda: plain.step(rows, pos, samp), args.steps))
-        pdl_ms.append(timed(lambda: cap.step(rows, pos, samp), args.steps))
-    return {"edges": cap.pdl, "bit_identical_steps": f"{same}/{steps}",
-            "replay_ms_plain": round(min(plain_ms), 3), "replay_ms_pdl": round(min(pdl_ms), 3),
-            "saved_us_per_step": round((min(plain_ms) - min(pdl_ms)) * 1e3, 1)}
-
-
 def bench_batch(model, weights, B: int, args, dev, bw: float) -> dict:
     """Lower the decode graph for B rows, capture it, time replay and eager -> one result row."""
     from onegraph.graphs.qwen3_5 import new_state
-    from onegraph.export.aoti import pdl_waits
     from onegraph.runtime.cuda_graphs import CapturedDecode
     from onegraph.runtime.executor import Sampling
     from onegraph.runtime.ranks import StepBroadcast
@@ -370,9 +345,7 @@ def bench_batch(model, weights, B: int, args, dev, bw: float) -> dict:
     capture = dev.type == "cuda" and args.lower == "aoti"     # else (the CPU, tests) the same steps uncaptured
     r["captured"] = capture
     try:
-        # as the runtime captures it: programmatic edges into the kernels that wait (TP ranks: plain)
-        waits = frozenset(pdl_waits(dev, args.kernels)) if model.tp == 1 else frozenset()
-        cap = CapturedDecode(graph.run_with_stream, B, state, last_tok, B, dev, pdl_waits=waits) if capture else \
+        cap = CapturedDecode(graph.run_with_stream, B, state, last_tok, B, dev) if capture else \
             UncapturedDecode(graph, state, last_tok, dev)
     except Exception as e:                       # recorded in the JSON, not hidden: no captured rows then
         r["capture_error"] = f"{type(e).__name__}: {e}"[:500]
@@ -382,8 +355,6 @@ def bench_batch(model, weights, B: int, args, dev, bw: float) -> dict:
     rows, pos, samp = list(range(B)), [args.position] * B, [Sampling()] * B
     r["parity_vs_eager"] = step_parity(model, cap, state, last_tok, rows, pos, samp, dev, args.parity_steps)
     replay_ms = timed(lambda: cap.step(rows, pos, samp), args.steps)
-    if capture and waits:
-        r["pdl"] = pdl_compare(graph, cap, state, last_tok, B, dev, args, timed)
     if args.profile and dev.type == "cuda":
         if args.rank == 0:
             r["regions_us_per_step"], r["top_kernels_us_per_step"] = profile_regions(

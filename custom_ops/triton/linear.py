@@ -22,7 +22,7 @@ from torch.library import triton_op
 
 from .. import _registry
 from ..linear import _validate
-from ._common import INTERPRETED, launch, mma, pdl_trigger, pdl_wait, rnd, to_dt
+from ._common import INTERPRETED, launch, mma, rnd, to_dt
 
 GEMV_MAX_M = 16
 
@@ -63,8 +63,7 @@ def _normed_row(x, res, nw, normed, hout, eps, pid, K: tl.constexpr, KP: tl.cons
 @triton.jit
 def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps, K: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
-                 DOT_F32: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, REGS: tl.constexpr,
-                 PDL: tl.constexpr = 0):
+                 DOT_F32: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, REGS: tl.constexpr):
     """y[:M, n-tile] = x[:M] @ w[n-tile].T; x and w contiguous along K.
     NORM (add_rms_norm_linear): the rows multiplied are normed = rms_norm(x + res) * (1 + nw) instead of x.
     Every program makes them in a prologue (x and res are 2-8 KB per row, read from L2) and writes them to
@@ -77,14 +76,7 @@ def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps,
     REGS (NORM at M == 1, BK == KP: one K tile): the normed row stays in registers and is multiplied as it is,
     with one [BN, KP] weight load and no loop; only program 0 writes normed and h. No program waits on a
     barrier or reads the row back, and the writes are one row per call, not one per program: the form that
-    suits the wide projections (the GDN in_proj's 3088 programs would write 12 MB of rows in the form above).
-    PDL (_common.py): a one-tile program (REGS, or M == 1 with BK >= K) loads its weight tile before the wait."""
-    if PDL == 2 or PDL == 3:
-        w += pdl_trigger()
-    if PDL == 3:
-        z0 = pdl_wait()
-        x, res, normed, hout, y, w = x + z0, res + z0, normed + z0, hout + z0, y + z0, w + z0
-    ONE: tl.constexpr = REGS or (not DOT and not NORM and BK >= K)
+    suits the wide projections (the GDN in_proj's 3088 programs would write 12 MB of rows in the form above)."""
     pid = tl.program_id(0)
     DT: tl.constexpr = y.dtype.element_ty
     rn = pid * BN + tl.arange(0, BN)
@@ -92,27 +84,15 @@ def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps,
     rn64 = rn.to(tl.int64)                           # w offsets pass 2**31 for the large projections
     rm = tl.arange(0, BM)
     mm = rm < M
-    if ONE:
-        # the weight load first: it does not depend on the row, so its DRAM latency overlaps the prologue's L2
-        # loads and reductions (whose block barriers the compiler does not move a load across) and, under PDL,
-        # the predecessor's last blocks
-        pk = tl.arange(0, KP) if REGS else tl.arange(0, BK)
+    if REGS:                                         # NORM, M == 1, the whole row one tile (docstring)
+        pk = tl.arange(0, KP)
         mk = pk < K
+        # the weight load first: it does not depend on the row, so its DRAM latency overlaps the prologue's L2
+        # loads and reductions (whose block barriers the compiler does not move a load across)
         wt = tl.load(w + rn64[:, None] * s_w_n + pk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
-        if PDL == 4:
-            x += pdl_trigger()
-        if PDL == 1 or PDL == 2 or PDL == 4:
-            z = pdl_wait()
-            x, res, normed, hout, y = x + z, res + z, normed + z, hout + z, y + z
-        if REGS:                                     # NORM, M == 1, the whole row one tile (docstring)
-            row = _normed_row(x, res, nw, normed, hout, eps, pid, K, KP, DT)                    # [KP]
-        else:
-            row = tl.load(x + pk, mask=mk, other=0.0)
+        row = _normed_row(x, res, nw, normed, hout, eps, pid, K, KP, DT)                        # [KP]
         tl.store(y + rn, to_dt(tl.sum(wt.to(tl.float32) * row.to(tl.float32)[None, :], axis=1), DT), mask=mn)
     else:
-        if PDL == 1 or PDL == 2 or PDL == 4:
-            z = pdl_wait()
-            x, res, normed, hout, y = x + z, res + z, normed + z, hout + z, y + z
         if NORM:
             if DOT:                                      # [BM, KP] tiles of at most 4096 elements, two passes
                 ss = tl.zeros([BM, KP], tl.float32)
