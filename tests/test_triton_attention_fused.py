@@ -48,6 +48,21 @@ def close_ulp(got, ref, dtype, what):
     assert err <= atol, f"{what}: error beyond one ulp: {err:.3g}"
 
 
+def close_rope(got, ref, normed, rot, dtype, what):
+    """A rope output vs the reference: close_ulp, but a rotated dim also gets one bf16 ulp of |x| + |partner|
+    (normed: the normed input the rotation read). torch's and Triton's fp32 cos/sin may round to neighbouring
+    bf16 values, and x cos ± partner sin may cancel, so an ulp of cos or sin can exceed an ulp of the
+    result (H200, 2048 rows at positions up to 262,144: 9.3e-4 beyond one ulp of |ref|)."""
+    if dtype == torch.float32:
+        return close_ulp(got, ref, dtype, what)
+    got, ref, n = got.float().cpu(), ref.float().cpu(), normed.float().cpu()
+    half = rot // 2
+    partner = torch.cat([n[..., half:rot], n[..., :half]], dim=-1)
+    err = (got - ref).abs() - 2.0 ** -7 * ref.abs()
+    err[..., :rot] -= 2.0 ** -7 * (n[..., :rot].abs() + partner.abs())
+    assert err.max().item() <= 1e-6, f"{what}: error beyond its bound: {err.max().item():.3g}"
+
+
 def inv_freq(rot, theta=1e7):
     return (1.0 / (theta ** (torch.arange(0, rot, 2, dtype=torch.float) / rot))).to(DEVICE)
 
@@ -72,14 +87,15 @@ def check_qk_norm_rope(N, HQ, KVH, D, rot, dtype, seed, max_pos=5000):
     gq, gk = ops.qk_norm_rope_triton(*args)
     rq, rk = reference_qk_norm_rope(*args)
     assert gq.is_contiguous() and gk.is_contiguous()
-    close_ulp(gq, rq, dtype, "q vs reference")
-    close_ulp(gk, rk, dtype, "k vs reference")
-    # today's kernels in sequence: the same values, bit for bit
     nq, nk = ops.rms_norm_triton(q, wq, 1e-6), ops.rms_norm_triton(k, wk, 1e-6)
+    close_rope(gq, rq, nq, rot, dtype, "q vs reference")
+    close_rope(gk, rk, nk, rot, dtype, "k vs reference")
+    # today's kernels in sequence: the same values, bit for bit
     assert torch.equal(gq, ops.rope_triton(nq, positions, inv)), "q differs from rms_norm_triton + rope_triton"
     assert torch.equal(gk, ops.rope_triton(nk, positions, inv)), "k differs from rms_norm_triton + rope_triton"
     assert torch.equal(gq[..., rot:], nq[..., rot:]), "pass-through dims are not the normalised input"
-    assert (gq[1:, :, :rot].float() - nq[1:, :, :rot].float()).abs().max() > 0.1, "nothing rotated"
+    if N > 1:                                        # row 0 sits at position 0: rotated by nothing
+        assert (gq[1:, :, :rot].float() - nq[1:, :, :rot].float()).abs().max() > 0.1, "nothing rotated"
     return gq, gk
 
 
@@ -329,7 +345,8 @@ for kind in ("decode", "prefill"):
     print(kind, "kernels:", kernels)
     assert [k for k in kernels if k.startswith("_qk_norm_rope_kernel")], kernels
     assert not [k for k in kernels if "index_put" in k], f"a KV write kernel survived: {{kernels}}"
-    assert not [k for k in kernels if "clamp" in k], f"a positions clamp kernel survived: {{kernels}}"
+    if kind == "decode":   # the step's positions clamp is the kernel's (a prefill chunk clamps its padding rows' writes)
+        assert not [k for k in kernels if "clamp" in k], f"a positions clamp kernel survived: {{kernels}}"
     assert "proxy_executor_call_function(" not in src, "an op is called back through Python (proxy executor)"
     assert not package_copies(src), f"a copy of a cache survived: {{package_copies(src)[:6]}}"
     pkg = torch._inductor.aoti_load_package(path)
