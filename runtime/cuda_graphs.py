@@ -92,9 +92,7 @@ class CapturedDecode:
     fills the staging of step t, so neither buffer being rewritten is still in use."""
 
     def __init__(self, run_with_stream, B: int, state: list[torch.Tensor], last_tok: torch.Tensor, scratch: int,
-                 device: torch.device, copy_in: bool = True, pdl_waits: frozenset[str] = frozenset()):
-        """pdl_waits: names of the graph's kernels that wait for their predecessor (the manifest's
-        lowering.pdl_waits): the edges into them become programmatic (runtime/pdl.py); empty: a plain graph."""
+                 device: torch.device, copy_in: bool = True):
         self.B, self.copy_in, d = B, copy_in, device
         # two stagings alternate: the engine has read (synchronised) step t-2 before it fills step t's
         self.host = [Staging(B, scratch, pin=True) for _ in range(2)]
@@ -124,19 +122,15 @@ class CapturedDecode:
         # run at the same time.
         self.host_ids = [torch.zeros(B, dtype=torch.int64).pin_memory() for _ in range(2)]
         self.events = [torch.cuda.Event(external=True) for _ in range(2)]
-        self.graphs, self.outs, pool, self.pdl = [], [], None, None
+        self.graphs, self.outs, pool = [], [], None
         for k in range(2):
-            g = torch.cuda.CUDAGraph(keep_graph=bool(pdl_waits))   # kept: its edges are rewritten, then instantiated
+            g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, stream=side, pool=pool):
                 if copy_in:
                     self.dev.copy_(self.host[k].bytes, non_blocking=True)
                 out = body(side)
                 self.host_ids[k].copy_(out[0], non_blocking=True)
                 self.events[k].record(side)
-            if pdl_waits:
-                from .pdl import make_programmatic
-                self.pdl = make_programmatic(g.raw_cuda_graph(), set(pdl_waits))
-                g.instantiate()
             pool = g.pool()
             self.graphs.append(g)
             self.outs.append((out[0], out[1]))
