@@ -96,7 +96,9 @@ def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps,
     CONV (M == 1; linear_conv_inplace_triton): output columns c < C are then the GDN causal conv + SiLU of the
     projection's (rounded) columns, with the state row of slot slots[0] of cs [S, C, W-1] shifted in place: a
     program owns its BN channels' state rows (no other program reads them), loads them and their weights
-    cw [C, W] before its weight tile, and stores after a block barrier (the shift crosses threads)."""
+    cw [C, W] (REGS: the slot after its weight tile's load, the rows after the norm prologue, so that neither
+    holds the weight load back nor lives across the prologue) and stores after a block barrier (the shift
+    crosses threads)."""
     pid = tl.program_id(0)
     DT: tl.constexpr = y.dtype.element_ty
     rn = pid * BN + tl.arange(0, BN)
@@ -104,17 +106,18 @@ def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps,
     rn64 = rn.to(tl.int64)                           # w offsets pass 2**31 for the large projections
     rm = tl.arange(0, BM)
     mm = rm < M
-    if CONV:                                         # M == 1: the conv's reads first, they need only the slot
-        mc = mn & (rn < C)
-        cs_row = cs + tl.load(slots) * s_cs_s        # int64 slot: 64-bit offsets
-        c_st, c_nxt, c_w = conv_loads(cs_row, cw, rn, mc, s_cs_c, s_cs_k, s_cw_c, s_cw_k, W, BW)
     if REGS:                                         # NORM, M == 1, the whole row one tile (docstring)
         pk = tl.arange(0, KP)
         mk = pk < K
         # the weight load first: it does not depend on the row, so its DRAM latency overlaps the prologue's L2
         # loads and reductions (whose block barriers the compiler does not move a load across)
         wt = tl.load(w + rn64[:, None] * s_w_n + pk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+        if CONV:                                     # the slot behind it; its row's loads after the prologue
+            mc = mn & (rn < C)
+            cs_row = cs + tl.load(slots) * s_cs_s    # int64 slot: 64-bit offsets
         row = _normed_row(x, res, nw, normed, hout, eps, pid, K, KP, DT)                        # [KP]
+        if CONV:                                     # in flight while the weight tile is multiplied
+            c_st, c_nxt, c_w = conv_loads(cs_row, cw, rn, mc, s_cs_c, s_cs_k, s_cw_c, s_cw_k, W, BW)
         yv = tl.sum(wt.to(tl.float32) * row.to(tl.float32)[None, :], axis=1)                  # [BN] fp32
         if CONV:
             _conv_epilogue(y, yv, rn, mn, mc, cs_row, c_st, c_nxt, c_w, cw, s_cs_c, s_cs_k, W, BW, DT)
@@ -150,6 +153,10 @@ def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps,
             src = normed
         else:
             src = x
+        if CONV:                                     # M == 1: the conv's reads before the loop's
+            mc = mn & (rn < C)
+            cs_row = cs + tl.load(slots) * s_cs_s    # int64 slot: 64-bit offsets
+            c_st, c_nxt, c_w = conv_loads(cs_row, cw, rn, mc, s_cs_c, s_cs_k, s_cw_c, s_cw_k, W, BW)
         if DOT:
             acc = tl.zeros([BM, BN], tl.float32)
         else:
