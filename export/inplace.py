@@ -150,8 +150,8 @@ def inline_inplace_twins(graph: torch.fx.Graph) -> int:
             continue
         n_out = len(schema.returns)
         items = {u.args[1]: u for u in node.users if u.target is operator.getitem}
-        if len(items) != len(node.users):
-            continue
+        if n_out != 1 or len(items) != len(node.users):
+            continue                                     # the twins return one tensor
         order = {n: i for i, n in enumerate(graph.nodes)}
         write_backs = []
         for i, b in enumerate(bases):
@@ -168,21 +168,14 @@ def inline_inplace_twins(graph: torch.fx.Graph) -> int:
             with graph.inserting_before(node):
                 call = graph.call_function(op, tuple(args))
             call.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-            vals = node.meta.get("val")
-            if vals is not None:
-                call.meta["val"] = vals[0] if n_out == 1 else tuple(vals[:n_out])
             for w in write_backs:
                 graph.erase_node(w)
             for idx, item in list(items.items()):
-                if idx >= n_out:                         # a base's new value: the base itself, written in place
-                    item.replace_all_uses_with(bases[idx - n_out])
-                elif n_out == 1:                         # the twin's output
+                if idx == 0:                             # the twin's output
+                    call.meta["val"] = item.meta.get("val")
                     item.replace_all_uses_with(call)
-                else:                                    # one of its outputs
-                    with graph.inserting_after(call):
-                        out = graph.call_function(operator.getitem, (call, idx))
-                    out.meta["val"] = item.meta.get("val")
-                    item.replace_all_uses_with(out)
+                else:                                    # a base's new value: the base itself, written in place
+                    item.replace_all_uses_with(bases[idx - 1])
                 graph.erase_node(item)
             graph.erase_node(node)
             inlined += 1

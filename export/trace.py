@@ -11,7 +11,6 @@ import torch
 from onegraph.custom_ops import decompositions
 
 from .entry import GraphSpec, dynamic_shapes, entry_module, example_inputs
-from .fold_conv import conv_op_names, fold_conv_updates
 from .fold_norm import fold_input_norms
 from .inplace import fold_state_writes, inplace_op_names
 from .inplace_kv import fold_kv_writes, kv_inplace_op_names
@@ -29,7 +28,7 @@ def allowed_extra_ops(device_type: str) -> set[str]:
     if device_type == "cpu":
         return set()
     return ({getattr(s, "triton_name", None) for s in REGISTRY.values()} - {None}) | inplace_op_names() \
-        | kv_inplace_op_names() | conv_op_names()
+        | kv_inplace_op_names()
 
 
 def check_lowered(ep: torch.export.ExportedProgram, device_type: str) -> dict[str, int]:
@@ -75,5 +74,4 @@ def trace(model, spec: GraphSpec, device, kernels: str = "auto", batch: torch.ex
             fold_kv_writes(ep)             # and the attention layers' KV-cache rows
             if fold_norms:
                 fold_input_norms(ep)       # batch 1: a layer's input norm in its first projection's GEMV
-            fold_conv_updates(ep)          # batch 1: a GDN layer's conv update in its in_proj GEMV's epilogue
     return ep, check_lowered(ep, dev.type)

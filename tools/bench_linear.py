@@ -7,10 +7,6 @@
 (custom_ops/triton/linear.py REGS: the normed row in registers, the whole row one K tile), per (BN, warps),
 against the pair it replaces (the add_rms_norm kernel, then the GEMV at its tile) and the row-once form.
 
---conv: the GDN in_proj at M = 1 with the conv update in its epilogue (custom_ops/triton/linear_conv.py, the
-batch-1 export fold export/fold_conv.py), its norm folded (later layers) and plain (the first), against the pair
-it replaces (that GEMV, then the conv update kernel in place), and the folded form per (BN, warps).
-
 --fp8: onegraph::linear_fp8's kernel (block-FP8 weights, custom_ops/triton/linear_fp8.py) on the FP8 model's
 projections (graphs/fuse.py: the GDN in_proj's FP8 run [qkv; z]; the attention's [q; k; v]; out/o_proj).
 
@@ -125,48 +121,12 @@ def bench_norm(args, dev, bw) -> dict:
     return {"rows": rows, "best_norm_row_tile": {"tile": list(best), "us_per_step": round(totals[best], 2)}}
 
 
-def bench_conv(args, dev, bw) -> dict:
-    """--conv (module docstring): µs per call of each form at the 35B GDN in_proj shape."""
-    import triton
-
-    from onegraph.custom_ops.triton import causal_conv
-    from onegraph.custom_ops.triton import linear as lin
-    N, K, C, W = 12352, 2048, 8192, 4
-    ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * K ** -0.5 for _ in range(20)]
-    x, res = (torch.randn(1, K, device=dev, dtype=torch.bfloat16) for _ in range(2))
-    nw = torch.randn(K, device=dev, dtype=torch.bfloat16) * 0.1
-    cs = torch.randn(4, C, W - 1, device=dev, dtype=torch.bfloat16)
-    slots = torch.tensor([2], device=dev)
-    cw = torch.randn(C, W, device=dev, dtype=torch.bfloat16) * 0.5
-    yc = torch.empty(1, C, device=dev, dtype=torch.bfloat16)
-    rows = []
-    for form, norm in (("norm_folded", (res, nw, 1e-6)), ("plain", None)):
-        def pair(a, w):
-            y = lin.gemv(a, w, norm=norm)
-            causal_conv.run_update((y if norm is None else y[0])[:, :C], cs, slots, cw, yc, cs)
-        row = {"form": form, "N": N, "K": K, "C": C, "MB": round(2 * N * K / 1e6, 1),
-               "pair_us": round(time_calls(pair, ws, x, args.reps), 2),
-               "gemv_alone_us": round(time_calls(lambda a, w: lin.gemv(a, w, norm=norm), ws, x, args.reps), 2),
-               "folded_us": round(time_calls(lambda a, w: lin.gemv(a, w, norm=norm, conv=(cs, slots, cw)), ws, x,
-                                             args.reps), 2)}
-        if norm is not None:
-            row["folded_by_tile_us"] = {
-                f"{bn},{warps}": round(time_calls(lambda a, w: lin.gemv(a, w, norm=norm, conv=(cs, slots, cw),
-                                                                        cfg=(bn, triton.next_power_of_2(K), warps, 1)),
-                                                  ws, x, args.reps), 2) for bn, warps in NORM_ROW_TILES}
-        row["folded_bw"] = round(2 * N * K / (row["folded_us"] * 1e-6) / bw, 3)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    return {"rows": rows}
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,8", help="comma-separated M values")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--fp8", action="store_true", help="the block-FP8 projection kernel instead of the bf16 GEMV")
     ap.add_argument("--norm", action="store_true", help="add_rms_norm_linear's one-row form (module docstring); bf16 weights only, --fp8 is not read")
-    ap.add_argument("--conv", action="store_true", help="the GDN in_proj with the conv update in its epilogue (module docstring)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -179,8 +139,8 @@ def main(argv=None) -> int:
     res = {"command": "python -m onegraph.tools.bench_linear " + " ".join(sys.argv[1:] if argv is None else argv),
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_GBps": round(bw / 1e9, 1),
            "rows": []}
-    if args.norm or args.conv:
-        res.update(bench_norm(args, dev, bw) if args.norm else bench_conv(args, dev, bw))
+    if args.norm:
+        res.update(bench_norm(args, dev, bw))
         with open(args.out, "w") as f:
             json.dump(res, f, indent=2)
         return 0

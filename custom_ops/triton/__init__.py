@@ -22,7 +22,6 @@ One file per op (kernel + launcher + triton_op), sharing `_common.py`:
   sample.py            greedy / Gumbel-max sampling with top-k / top-p, no vocabulary sort
   linear.py            projection GEMV at decode sizes (tile by (M, K) only)
   add_rms_norm_linear.py  the residual add + RMSNorm folded into the projection GEMV's prologue
-  linear_conv.py       the GDN conv update in the in_proj GEMV's epilogue, in place (batch-1 export fold)
   linear_fp8.py        block-FP8 weight projection: e4m3 bytes and 128x128 scales applied in registers
   add_rms_norm_linear_fp8.py  the same fold for a block-FP8 projection (one row: the normed row in registers)
   linear_w8a8.py       W8A8 projections (int8 / e4m3 per-channel weights, activations quantized per token)
@@ -42,6 +41,5 @@ else:
     IMPORT_ERROR = None
     from . import (add_rms_norm_linear, add_rms_norm_linear_fp8, attention_decode, attention_prefill,  # noqa: F401
                    causal_conv, fused_moe, fused_moe_fp8,
-                   linear, linear_conv, gdn_decode_step, gdn_decode_step_norm, gdn_prefill, linear_fp8, linear_w8a8,
-                   norms,
+                   linear, gdn_decode_step, gdn_decode_step_norm, gdn_prefill, linear_fp8, linear_w8a8, norms,
                    qk_norm_rope, rope, sample)

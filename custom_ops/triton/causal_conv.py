@@ -35,42 +35,6 @@ def _silu_out(acc, WDT: tl.constexpr, ODT: tl.constexpr):
 
 
 @triton.jit
-def conv_loads(state_row, w, ch, mc, s_s_c, s_s_k, s_w_c, s_w_k, W: tl.constexpr, BW: tl.constexpr):
-    """One decode step's reads for channels ch [BC] (mask mc) of one slot's state row: (st [BC, BW] fp32, the W-1
-    stored inputs at taps k < W-1 and 0 past them; nxt [BC, BW] in the state dtype, the same row shifted left by
-    one tap (the next state's first W-2 taps); wt [BC, BW] fp32, the weight's W taps). They need only the slot, so
-    a caller issues them early (the GEMV epilogue form, custom_ops/triton/linear.py, before its weight tile)."""
-    k = tl.arange(0, BW)
-    row = state_row + ch[:, None] * s_s_c
-    st = tl.load(row + k[None, :] * s_s_k, mask=mc[:, None] & (k[None, :] < W - 1), other=0.0).to(tl.float32)
-    nxt = tl.load(row + (k[None, :] + 1) * s_s_k, mask=mc[:, None] & (k[None, :] + 1 < W - 1), other=0.0)
-    wt = tl.load(w + ch[:, None] * s_w_c + k[None, :] * s_w_k, mask=mc[:, None] & (k[None, :] < W),
-                 other=0.0).to(tl.float32)
-    return st, nxt, wt
-
-
-@triton.jit
-def conv_step(st, nxt, wt, x, W: tl.constexpr, BW: tl.constexpr, SDT: tl.constexpr, WDT: tl.constexpr,
-              ODT: tl.constexpr):
-    """conv_loads' tiles and the new inputs x [BC] (fp32) -> (y [BC] in ODT: silu(window . weight), the window
-    state ‖ x in the state dtype; new [BC, BW] in the state dtype: the window minus its oldest tap). The
-    reference's roundings: x.to(state dtype), window.to(w.dtype) * w in w.dtype, the sum rounded, SiLU."""
-    k = tl.arange(0, BW)
-    xv = rnd(x, SDT)                                            # x.to(state dtype)
-    win = tl.where(k[None, :] == W - 1, xv[:, None], st)        # [BC, BW] window in the state dtype
-    prod = rnd(rnd(win, WDT) * wt, WDT)                         # window.to(w.dtype) * w, in w.dtype
-    acc = tl.sum(tl.where(k[None, :] < W, prod, 0.0), axis=1)
-    return _silu_out(acc, WDT, ODT), tl.where(k[None, :] == W - 2, to_dt(xv, SDT)[:, None], nxt)
-
-
-@triton.jit
-def conv_store(row, new, ch, mc, s_c, s_k, W: tl.constexpr, BW: tl.constexpr):
-    """The new state taps [BC, BW] (k < W-1) of channels ch into the row at `row`."""
-    k = tl.arange(0, BW)
-    tl.store(row + ch[:, None] * s_c + k[None, :] * s_k, new, mask=mc[:, None] & (k[None, :] < W - 1))
-
-
-@triton.jit
 def _conv_update_kernel(x, state, slots, w, y, new_state,
                         s_x_b, s_x_c, s_s_s, s_s_c, s_s_k, s_w_c, s_w_k, s_n_b, s_n_c, s_n_k, C,
                         W: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr, IN_PLACE: tl.constexpr):
@@ -79,11 +43,24 @@ def _conv_update_kernel(x, state, slots, w, y, new_state,
     b = tl.program_id(0)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     mc = offs_c < C
+    offs_k = tl.arange(0, BW)                                   # taps: 0..W-2 state, W-1 the new x
+    SDT: tl.constexpr = state.dtype.element_ty
+    WDT: tl.constexpr = w.dtype.element_ty
     slot = tl.load(slots + b)                                   # int64: slot * stride stays 64-bit
-    st, nxt, wt = conv_loads(state + slot * s_s_s, w, offs_c, mc, s_s_c, s_s_k, s_w_c, s_w_k, W, BW)
-    xv = tl.load(x + b * s_x_b + offs_c * s_x_c, mask=mc, other=0.0).to(tl.float32)
-    out, new = conv_step(st, nxt, wt, xv, W, BW, state.dtype.element_ty, w.dtype.element_ty, y.dtype.element_ty)
-    tl.store(y + b * C + offs_c, out, mask=mc)
+    st = tl.load(state + slot * s_s_s + offs_c[:, None] * s_s_c + offs_k[None, :] * s_s_k,
+                 mask=mc[:, None] & (offs_k[None, :] < W - 1), other=0.0).to(tl.float32)   # [BC, BW]
+    xv = rnd(tl.load(x + b * s_x_b + offs_c * s_x_c, mask=mc, other=0.0).to(tl.float32), SDT)  # x.to(state dtype)
+    win = tl.where(offs_k[None, :] == W - 1, xv[:, None], st)  # [BC, BW] window in the state dtype
+    wt = tl.load(w + offs_c[:, None] * s_w_c + offs_k[None, :] * s_w_k,
+                 mask=mc[:, None] & (offs_k[None, :] < W), other=0.0).to(tl.float32)
+    prod = rnd(rnd(win, WDT) * wt, WDT)                         # window.to(w.dtype) * w, in w.dtype
+    acc = tl.sum(tl.where(offs_k[None, :] < W, prod, 0.0), axis=1)
+    tl.store(y + b * C + offs_c, _silu_out(acc, WDT, y.dtype.element_ty), mask=mc)
+    # new state row = window[1:]: shift the taps left by one
+    out_k = tl.arange(0, BW)
+    nxt = tl.load(state + slot * s_s_s + offs_c[:, None] * s_s_c + (out_k[None, :] + 1) * s_s_k,
+                  mask=mc[:, None] & (out_k[None, :] + 1 < W - 1), other=0.0)
+    nxt = tl.where(out_k[None, :] == W - 2, to_dt(xv, SDT)[:, None], nxt)
     # in place: written through `state` itself (new_state, the same tensor, only lends its strides), so the
     # compiler's kernel analysis sees the state read and written through one argument and copies nothing
     if IN_PLACE:
@@ -91,7 +68,7 @@ def _conv_update_kernel(x, state, slots, w, y, new_state,
         dst = state + slot * s_n_b
     else:
         dst = new_state + b * s_n_b
-    conv_store(dst, new, offs_c, mc, s_n_c, s_n_k, W, BW)
+    tl.store(dst + offs_c[:, None] * s_n_c + out_k[None, :] * s_n_k, nxt, mask=mc[:, None] & (out_k[None, :] < W - 1))
 
 
 @triton.jit

@@ -146,21 +146,15 @@ def gdn_decode_step_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, 
 def run(qkv, a, b, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, num_k_heads, out, new_conv, new_rec,
         conv_in: bool = False) -> None:
     """The step's launch into out [B, HV, V] and the new rows. conv_in: qkv is causal_conv_update's output
-    (the conv state untouched; conv_state, conv_weight and new_conv unused, may be None). new_rec is
-    rec_state: the rows at slots in place."""
+    (the conv state untouched; new_conv unused). new_rec is rec_state: the rows at slots in place."""
     B = qkv.shape[0]
     _, HV, K, V = rec_state.shape
-    if conv_state is None:                           # conv_in: the conv's arguments are never read
-        conv_state, conv_weight, new_conv = out, out, out
-        W, cs_strides, cw_strides, nc_strides = 1, (0, 0, 0), (0, 0), (0, 0, 0)
-    else:
-        W = conv_weight.shape[1]
-        cs_strides, cw_strides, nc_strides = conv_state.stride(), conv_weight.stride(), new_conv.stride()
+    W = conv_weight.shape[1]
     BK, BV = next_pow2(K), block_v(B, HV, V)
     launch(_gdn_decode_kernel, (B, HV, triton.cdiv(V, BV)),
            qkv, a, b, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, out, new_conv, new_rec,
-           *qkv.stride(), *a.stride(), *b.stride(), *cs_strides, *rec_state.stride(),
-           *cw_strides, *out.stride(), *nc_strides, *new_rec.stride(),
+           *qkv.stride(), *a.stride(), *b.stride(), *conv_state.stride(), *rec_state.stride(),
+           *conv_weight.stride(), *out.stride(), *new_conv.stride(), *new_rec.stride(),
            float(K) ** -0.5,
            HK=num_k_heads, K=K, V=V, REP=HV // num_k_heads, W=W, WP=next_pow2(W), BK=BK, BV=BV,
            CONV_IN=conv_in, REC_IN_PLACE=new_rec is rec_state, num_warps=4 if BK * BV <= 4096 else 8)

@@ -1,7 +1,6 @@
-"""Triton lowering of gdn_decode_step_norm (contract: custom_ops/gdn_decode_step_norm.py), its in-place
-twin that writes the new state rows straight into the state at `slots`, and the twin's form without the conv
-(`gdn_step_norm_inplace_triton`: the conv update done by the projection before it, export/fold_conv.py):
-three launches, each with many programs, `_launch`:
+"""Triton lowering of gdn_decode_step_norm (contract: custom_ops/gdn_decode_step_norm.py), and its in-place
+twin that writes the new state rows straight into the state at `slots`: three launches, each with many
+programs, `_launch`:
 - causal_conv_update's kernel (grid (B, C / 64), each channel's row owned by one program, so it may write in
   place) -> xc [B, C], the conv + SiLU;
 - the GDN step on xc (grid (B, HV, V / BV), each state element owned by one thread) -> out [B, HV, V];
@@ -21,7 +20,6 @@ import torch
 from torch.library import triton_op
 
 from .. import _registry
-from .._registry import check_shape
 from ..gdn_decode_step_norm import _validate
 from . import causal_conv, gdn_decode_step, norms
 
@@ -72,31 +70,6 @@ def gdn_decode_step_norm_inplace_triton(qkv: torch.Tensor, a: torch.Tensor, b: t
     # analysis sees each state tensor read and written through one argument
     _launch(qkv, a, b, z, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, norm_weight, num_k_heads, eps,
             y, conv_state, rec_state)
-    return y
-
-
-@triton_op("onegraph::gdn_step_norm_inplace_triton", mutates_args={"rec_state"})
-def gdn_step_norm_inplace_triton(xc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: torch.Tensor,
-                                 rec_state: torch.Tensor, slots: torch.Tensor, A_log: torch.Tensor,
-                                 dt_bias: torch.Tensor, norm_weight: torch.Tensor, num_k_heads: int,
-                                 eps: float) -> torch.Tensor:
-    """gdn_decode_step_norm_inplace_triton's step and norm on xc [B, C], the conv + SiLU already applied (and the
-    conv state already updated) by the projection that made it (linear_conv.py): two launches, rec_state's rows
-    at slots written in place; returns y [B, HV, V]. Export puts it there (export/fold_conv.py)."""
-    B, C = xc.shape
-    _, HV, K, V = rec_state.shape
-    if HV % num_k_heads or C != 2 * num_k_heads * K + HV * V:
-        raise ValueError(f"gdn_step_norm: xc channels {C} != 2*{num_k_heads}*{K} + {HV}*{V}")
-    check_shape(rec_state, (None, HV, K, V), "gdn_step_norm rec_state", torch.float32)
-    for t, shape, what in ((a, (B, HV), "a"), (b, (B, HV), "b"), (z, (B, HV * V), "z"), (A_log, (HV,), "A_log"),
-                           (dt_bias, (HV,), "dt_bias"), (norm_weight, (V,), "norm_weight")):
-        check_shape(t, shape, f"gdn_step_norm {what}")
-    check_shape(slots, (B,), "gdn_step_norm slots", torch.int64)
-    out = xc.new_empty((B, HV, V))                                             # before the norm
-    gdn_decode_step.run(xc, a, b, None, rec_state, slots, None, A_log, dt_bias, num_k_heads, out, None, rec_state,
-                        conv_in=True)
-    y = xc.new_empty((B, HV, V))
-    norms.gated_rms_norm_heads(out, z, norm_weight, eps, y)
     return y
 
 

@@ -22,8 +22,7 @@ from torch.library import triton_op
 
 from .. import _registry
 from ..linear import _validate
-from ._common import INTERPRETED, launch, mma, next_pow2, rnd, to_dt
-from .causal_conv import conv_loads, conv_step, conv_store
+from ._common import INTERPRETED, launch, mma, rnd, to_dt
 
 GEMV_MAX_M = 16
 
@@ -62,24 +61,9 @@ def _normed_row(x, res, nw, normed, hout, eps, pid, K: tl.constexpr, KP: tl.cons
 
 
 @triton.jit
-def _conv_epilogue(y, yv, rn, mn, mc, cs_row, st, nxt, cwt, cw, s_cs_c, s_cs_k, W: tl.constexpr, BW: tl.constexpr,
-                   DT: tl.constexpr):
-    """M == 1 with CONV: store y's columns rn (mask mn) from the fp32 sums yv [BN], columns under mc (< C) as the
-    conv + SiLU of their rounded value (causal_conv_update's numerics: the same helpers), and write those
-    channels' new state taps into the slot's row cs_row in place, after every thread's loads of it."""
-    x = rnd(yv, DT)                                  # the projection's output as stored (y.dtype)
-    cy, new = conv_step(st, nxt, cwt, x, W, BW, cs_row.dtype.element_ty, cw.dtype.element_ty, DT)
-    tl.store(y + rn, tl.where(mc, cy, to_dt(x, DT)), mask=mn)
-    tl.debug_barrier()                               # the shifted row's stores cross threads: every load first
-    conv_store(cs_row, new, rn, mc, s_cs_c, s_cs_k, W, BW)
-
-
-@triton.jit
-def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps,
-                 cs, slots, cw, s_cs_s, s_cs_c, s_cs_k, s_cw_c, s_cw_k, C, K: tl.constexpr,
+def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps, K: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
-                 DOT_F32: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, REGS: tl.constexpr,
-                 CONV: tl.constexpr, W: tl.constexpr, BW: tl.constexpr):
+                 DOT_F32: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, REGS: tl.constexpr):
     """y[:M, n-tile] = x[:M] @ w[n-tile].T; x and w contiguous along K.
     NORM (add_rms_norm_linear): the rows multiplied are normed = rms_norm(x + res) * (1 + nw) instead of x.
     Every program makes them in a prologue (x and res are 2-8 KB per row, read from L2) and writes them to
@@ -92,13 +76,7 @@ def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps,
     REGS (NORM at M == 1, BK == KP: one K tile): the normed row stays in registers and is multiplied as it is,
     with one [BN, KP] weight load and no loop; only program 0 writes normed and h. No program waits on a
     barrier or reads the row back, and the writes are one row per call, not one per program: the form that
-    suits the wide projections (the GDN in_proj's 3088 programs would write 12 MB of rows in the form above).
-    CONV (M == 1; linear_conv_inplace_triton): output columns c < C are then the GDN causal conv + SiLU of the
-    projection's (rounded) columns, with the state row of slot slots[0] of cs [S, C, W-1] shifted in place: a
-    program owns its BN channels' state rows (no other program reads them), loads them and their weights
-    cw [C, W] (REGS: the slot after its weight tile's load, the rows after the norm prologue, so that neither
-    holds the weight load back nor lives across the prologue) and stores after a block barrier (the shift
-    crosses threads)."""
+    suits the wide projections (the GDN in_proj's 3088 programs would write 12 MB of rows in the form above)."""
     pid = tl.program_id(0)
     DT: tl.constexpr = y.dtype.element_ty
     rn = pid * BN + tl.arange(0, BN)
@@ -112,17 +90,8 @@ def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps,
         # the weight load first: it does not depend on the row, so its DRAM latency overlaps the prologue's L2
         # loads and reductions (whose block barriers the compiler does not move a load across)
         wt = tl.load(w + rn64[:, None] * s_w_n + pk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
-        if CONV:                                     # the slot behind it; its row's loads after the prologue
-            mc = mn & (rn < C)
-            cs_row = cs + tl.load(slots) * s_cs_s    # int64 slot: 64-bit offsets
         row = _normed_row(x, res, nw, normed, hout, eps, pid, K, KP, DT)                        # [KP]
-        if CONV:                                     # in flight while the weight tile is multiplied
-            c_st, c_nxt, c_w = conv_loads(cs_row, cw, rn, mc, s_cs_c, s_cs_k, s_cw_c, s_cw_k, W, BW)
-        yv = tl.sum(wt.to(tl.float32) * row.to(tl.float32)[None, :], axis=1)                  # [BN] fp32
-        if CONV:
-            _conv_epilogue(y, yv, rn, mn, mc, cs_row, c_st, c_nxt, c_w, cw, s_cs_c, s_cs_k, W, BW, DT)
-        else:
-            tl.store(y + rn, to_dt(yv, DT), mask=mn)
+        tl.store(y + rn, to_dt(tl.sum(wt.to(tl.float32) * row.to(tl.float32)[None, :], axis=1), DT), mask=mn)
     else:
         if NORM:
             if DOT:                                      # [BM, KP] tiles of at most 4096 elements, two passes
@@ -153,10 +122,6 @@ def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps,
             src = normed
         else:
             src = x
-        if CONV:                                     # M == 1: the conv's reads before the loop's
-            mc = mn & (rn < C)
-            cs_row = cs + tl.load(slots) * s_cs_s    # int64 slot: 64-bit offsets
-            c_st, c_nxt, c_w = conv_loads(cs_row, cw, rn, mc, s_cs_c, s_cs_k, s_cw_c, s_cw_k, W, BW)
         if DOT:
             acc = tl.zeros([BM, BN], tl.float32)
         else:
@@ -173,9 +138,6 @@ def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps,
                 acc += wt.to(tl.float32) * xt.to(tl.float32)[None, :]
         if DOT:
             tl.store(y + rm[:, None] * s_y_m + rn[None, :], to_dt(acc, DT), mask=mm[:, None] & mn[None, :])
-        elif CONV:
-            _conv_epilogue(y, tl.sum(acc, axis=1), rn, mn, mc, cs_row, c_st, c_nxt, c_w, cw, s_cs_c, s_cs_k, W, BW,
-                           DT)
         else:
             tl.store(y + rn, to_dt(tl.sum(acc, axis=1), DT), mask=mn)
 
@@ -218,13 +180,10 @@ def tile(M: int, K: int) -> tuple[int, int, int, int]:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, int] | None = None,
-         norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-         conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+         norm: tuple[torch.Tensor, torch.Tensor, float] | None = None):
     """x [M <= GEMV_MAX_M, K] @ w [N, K].T by _gemv_kernel; cfg overrides the tile (benchmarks only).
     norm = (residual [M, K], norm weight [K], eps): add_rms_norm_linear's rows instead of x, and returns
-    (y, normed, x + residual).
-    conv = (conv_state [S, C, W-1], slots [1], conv_weight [C, W]), M == 1 only: y's first C columns are the
-    causal conv update of the projection's (linear_conv.py), the slot's state row written in place."""
+    (y, normed, x + residual)."""
     M, K = x.shape
     N = w.shape[0]
     x, w = x.contiguous(), w.contiguous()
@@ -236,19 +195,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, int] | None
     else:
         res, nw, eps = norm[0].contiguous(), norm[1], norm[2]
         normed, h = torch.empty_like(x), torch.empty_like(x)
-    if conv is None:
-        cs, slots, cw, C, W = y, y, y, 0, 1
-        cs_strides, cw_strides = (0, 0, 0), (0, 0)
-    else:
-        cs, slots, cw = conv
-        C, W = cw.shape
-        cs_strides, cw_strides = cs.stride(), cw.stride()
     KP = triton.next_power_of_2(K) if M == 1 else min(256, bk)
     launch(_gemv_kernel, (triton.cdiv(N, bn),), x, w, y, M, N, x.stride(0), w.stride(0), y.stride(0),
-           res, nw, normed, h, eps, cs, slots, cw, *cs_strides, *cw_strides, C,
-           K=K, BM=1 if M == 1 else 16, BN=bn, BK=bk, DOT=M > 1,
+           res, nw, normed, h, eps, K=K, BM=1 if M == 1 else 16, BN=bn, BK=bk, DOT=M > 1,
            DOT_F32=INTERPRETED, NORM=norm is not None, KP=KP, REGS=regs and bk == KP,
-           CONV=conv is not None, W=W, BW=next_pow2(W), num_warps=warps, num_stages=stages)
+           num_warps=warps, num_stages=stages)
     return y if norm is None else (y, normed, h)
 
 
