@@ -205,12 +205,15 @@ def test_route_kernel_ties_keep_the_lowest_index():
 @needs_triton
 # the NaN logits are the point: the interpreter's numpy subtraction on them warns
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-def test_route_kernel_nan_stays_in_bounds():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["int64_keys", "int32_keys"])
+def test_route_kernel_nan_stays_in_bounds(dtype):
     """A NaN hidden state (an overflowed recurrence, say) must come out as NaN weights, not as an expert
-    id past the end (the expert kernels would read outside the weights)."""
+    id past the end (the expert kernels would read outside the weights). Both key widths (fused_moe.py
+    _route_keys: 16-bit logits make int32 keys), NaNs of both signs."""
     from onegraph.custom_ops.triton.fused_moe import route_triton
-    w, idx = route_triton(torch.full((2, 12), float("nan"), device=DEVICE), 4)
-    assert ((idx >= 0) & (idx < 12)).all() and w.isnan().all(), (idx, w)
+    for fill in (float("nan"), -float("nan")):
+        w, idx = route_triton(torch.full((2, 12), fill, device=DEVICE, dtype=dtype), 4)
+        assert ((idx >= 0) & (idx < 12)).all() and w.isnan().all(), (fill, idx, w)
 
 
 # ---------------------------------------------------------------- attention_decode
