@@ -5,11 +5,6 @@ the down kernel (at one token: SWIGLU_ONE and DOWN_ONE), one kernel's tiles vari
     python -m onegraph.tools.tune_moe --batches 1,8 --out moe_tiles.json
     python -m onegraph.tools.tune_moe --batches 1 --routing-prefix --out moe_routing_prefix.json
 
-    python -m onegraph.tools.tune_moe --batches 1 --one-kernel --out moe_one.json
-
---one-kernel: the op's two decode kernels against fused_moe_one.py's single kernel (SwiGLU and down programs in
-one launch) at one token, for each of ONE_SWEEP's tiles; outputs compared (max |one - two|), sync checked zero.
-
 --routing-prefix: instead of the sweep, what finding the routing inside the SwiGLU kernel costs at the default
 tiles: the op routing in-kernel, the op routing first with _route_kernel (fused_moe.PREROUTED forces either),
 and that routing kernel alone; prefix_us = in-kernel - (route first - routing alone); model_routes_first: which
@@ -46,43 +41,11 @@ def set_tiles(B: int, tiles) -> None:
         mod.BI1, mod.BH1, mod.W1, mod.BH2, mod.BI2, mod.W2 = tiles
 
 
-ONE_SWEEP = ((2, 1, 2), (2, 2, 4), (4, 2, 4), (8, 4, 8), (8, 8, 8), (4, 1, 2))
-
-
-def one_kernel_rows(fn, cases, k) -> list[dict]:
-    """fused_moe_one against the two-kernel op. Each call takes its own zeroed sync, all of them zeroed by one fill
-    at the start of each replay, which both sides' graphs run (its cost is spread over the calls)."""
-    from onegraph.custom_ops.triton.fused_moe_one import fused_moe_one, sync_len
-    syncs = torch.zeros(len(cases), sync_len(k), dtype=torch.int32, device="cuda")
-
-    def run(call):
-        syncs.zero_()
-        return [call(c, syncs[i]) for i, c in enumerate(cases)]
-    two = time_graph_calls(lambda: run(lambda c, s: fn(*c)), len(cases))
-    rows = [{"B": 1, "kernel": "two", "us": round(two, 2)}]
-    print(json.dumps(rows[-1]), flush=True)
-    for tiles in ONE_SWEEP:
-      for pre in (True, False):
-        one = lambda c, s: fused_moe_one(*c, s, tiles=tiles, prefetch=pre)
-        got = run(one)
-        diff = max((g.float() - fn(*c).float()).abs().max().item() for g, c in zip(got, cases))
-        us = time_graph_calls(lambda: run(one), len(cases))
-        rows.append({"B": 1, "kernel": "one", "cfg": tiles, "prefetch": pre, "us": round(us, 2), "max_diff": diff})
-        print(json.dumps(rows[-1]), flush=True)
-    return rows
-
-
-def time_graph_calls(body, n: int, reps: int = 50) -> float:
-    from onegraph.tools.bench_ops import time_graph
-    return time_graph(body, (), 1, reps, 1) / n
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 8])
     ap.add_argument("--copies", type=int, default=6, help="weight copies per graph (1.6 GB each at the 35B shape)")
     ap.add_argument("--routing-prefix", action="store_true", help="measure the in-kernel routing's cost (docstring)")
-    ap.add_argument("--one-kernel", action="store_true", help="the two decode kernels against one (docstring)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     from onegraph.custom_ops.triton import fused_moe as mod
@@ -108,9 +71,6 @@ def main(argv=None) -> int:
         for router, *experts, sgw in weights:                 # fused_moe takes the logits: x @ [router; sgw].T
             x = rand(g, B, H)
             cases.append((x, torch.nn.functional.linear(x, torch.cat([router, sgw])), *experts, k))
-        if args.one_kernel:
-            res["rows"] += one_kernel_rows(fn, cases, k)
-            continue
         if args.routing_prefix:
             us = {}
             for first in (False, True):
@@ -137,7 +97,7 @@ def main(argv=None) -> int:
                 res["rows"].append({"B": B, "kernel": which, "cfg": cfg, "us": us})
                 print(json.dumps(res["rows"][-1]), flush=True)
         set_tiles(B, start)
-    if args.routing_prefix or args.one_kernel:
+    if args.routing_prefix:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
         return 0
