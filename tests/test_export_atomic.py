@@ -176,21 +176,27 @@ def _state(pid: int) -> str:
 
 # ---------------------------------------------------------------- concurrency and reuse
 
-def test_concurrent_exports_and_a_byte_identical_reuse(tmp_path):
-    """Two exports at once (one with worker processes, one in-process) into one cache both succeed;
-    a third export of the same model and options compiles nothing and its graphs are the cached bytes."""
-    cache = tmp_path / "cache"
-    runs = {name: subprocess.Popen(cli("export", "tiny", "--out", tmp_path / name, *SMALL, "--cache-dir", cache,
+def test_concurrent_exports_and_a_byte_identical_reuse(tmp_path, tiny_artifact, aoti_cache):
+    """Two exports at once into one cache both succeed: one compiling its 2 graphs in 2 worker processes, one
+    in-process taking the session artifact's 4 graphs from that cache (conftest.TINY_EXPORT: a second compiling
+    export would double this test's time for the same check). A third export of the first one's model and
+    options compiles nothing and its graphs are the cached bytes."""
+    cache = aoti_cache
+    before = set(cache.glob("*/*/graph.pt2"))
+    shared = ["--batch-sizes", "1,2,4", "--prefill-chunks", "16", "--max-seq-len", "256"]     # conftest.TINY_EXPORT
+    runs = {name: subprocess.Popen(cli("export", "tiny", "--out", tmp_path / name, *opts, "--cache-dir", cache,
                                        "--jobs", jobs), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                    env=ENV)
-            for name, jobs in (("a", 2), ("b", 1))}
+            for name, opts, jobs in (("a", SMALL, 2), ("b", shared, 1))}
+    outs = {}
     for name, p in runs.items():
-        out, err = p.communicate(timeout=900)
+        outs[name], err = p.communicate(timeout=900)
         assert p.returncode == 0, f"export {name}: {err[-3000:]}"
         assert "FutureWarning" not in err, err                     # the CLI hides the known torch warnings
         load_manifest(tmp_path / name)
-    entries = sorted(cache.glob("*/*/graph.pt2"))
-    assert len(entries) == 2
+    assert "4 graphs: 0 lowered, 4 reused from the cache" in outs["b"], outs["b"]
+    entries = sorted(set(cache.glob("*/*/graph.pt2")) - before)
+    assert len(entries) == 2                                      # export a's; b compiled nothing
 
     r = subprocess.run(cli("export", "tiny", "--out", tmp_path / "c", *SMALL, "--cache-dir", cache, "--quiet"),
                        capture_output=True, text=True, env=ENV, timeout=600)
