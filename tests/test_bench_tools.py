@@ -186,3 +186,31 @@ def test_profile_regions_name_each_kernel_family():
     assert region("_attn_combine_kernel") == region("_attn_split_kernel") == "attention"
     assert region("_gdn_decode_kernel") == "gdn" and region("_gated_rms_norm_kernel") == "norms"
     assert region("nvjet_sm90_tst_64x64") == region("_gemv_kernel") == "gemm"
+
+
+def test_bench_big_prefill_and_interleave_on_cpu(tmp_path):
+    """bench_big --prefill / --interleave on the tiny shape (CPU, fp32, the traced graphs run uncaptured): the
+    prefill row equals eager and names its weight bytes (every expert: 24 tokens over 8 experts top-2); the
+    interleave runs 2 streams through an Engine over the in-memory graphs while a 40-token prompt is admitted
+    in 16-token chunks, with the default budget (decode steps between its chunks) and whole (none)."""
+    import json
+
+    from onegraph.tools.bench_big import main
+    out = tmp_path / "inter.json"
+    assert main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--lower", "export", "--batch", "2",
+                 "--prefill", "24", "--steps", "2", "--eager-steps", "1", "--max-seq-len", "96", "--interleave", "2",
+                 "--interleave-prompt", "40", "--interleave-chunk", "16", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    (pre,) = res["prefill"]
+    assert pre["prompt_tokens"] == 24 and pre["parity_vs_eager"]["ids_equal"], pre
+    assert pre["parity_vs_eager"]["max_logit_diff"] < 1e-4
+    from onegraph.graphs.load import load_model
+    model = load_model("tiny")[1]
+    experts = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n and not n.startswith("mtp."))
+    assert pre["weight_bytes"] > experts * 0.99           # 1 - (3/4)^24 of them, expected
+    inter = res["interleave"]
+    assert (inter["streams"], inter["decode_bucket"], inter["prefill_chunk"]) == (2, 2, 16)
+    chunk, whole = inter["runs"]
+    assert chunk["budget"] == "chunk" and chunk["decode_steps_between_chunks"] >= 2, chunk     # 3 chunks
+    assert whole["budget"] == "whole" and whole["decode_steps_between_chunks"] == 0, whole
+    assert chunk["itl_during_prefill_ms"]["n"] > 0 and inter["chunked_prefill_tok_s"] > 0

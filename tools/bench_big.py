@@ -275,9 +275,10 @@ def lower(model, weights, kind: str, bucket: int, args, dev, r: dict, k: int = 0
     return AotiGraph(pkg, weights, dev, args.loader_cls)
 
 
-def bench_prefill(model, weights, T: int, args, dev) -> dict:
+def bench_prefill(model, weights, T: int, args, dev, bw: float) -> dict:
     """TTFT of a T-token prompt into an empty slot as ONE prefill graph call of chunk T (the artifact's
-    largest chunk bucket would be T), lowered vs the same model eager, plus ids/logits parity."""
+    largest chunk bucket would be T), lowered vs the same model eager, plus ids/logits parity; the weight
+    bytes the call reads (at T = 512 nearly every expert) and, with --profile, its kernel time by region."""
     from onegraph.graphs.qwen3_5 import new_state
     from onegraph.runtime.executor import Sampling
     r = {"prompt_tokens": T}
@@ -301,10 +302,58 @@ def bench_prefill(model, weights, T: int, args, dev) -> dict:
         ms, (ids_r, logits_r) = timed(lambda: graph.run(head + state), args.prefill_reps)
         ids_r, logits_r = ids_r.clone(), logits_r.clone()
         e_ms, (ids_e, logits_e) = timed(lambda: model.prefill(*head, *state), 1)
+    nbytes = bytes_per_step(model, T)           # every expert some token of the chunk routes to, expected
     r.update({"ttft_ms": round(ms, 2), "prefill_tok_s": round(T / ms * 1e3, 1), "eager_ms": round(e_ms, 2),
               "speedup_vs_eager": round(e_ms / ms, 2),
-              "parity_vs_eager": parity(ids_r, logits_r, ids_e, logits_e)})
+              "parity_vs_eager": parity(ids_r, logits_r, ids_e, logits_e), "weight_bytes": nbytes,
+              "bandwidth_limit_ms": round(nbytes / bw * 1e3, 3) if bw else None,
+              "fraction_of_bandwidth_limit": round(nbytes / bw * 1e3 / ms, 3) if bw else None})
+    if args.profile and dev.type == "cuda":
+        with torch.no_grad():
+            r["regions_us"], r["top_kernels_us"] = profile_regions(lambda: graph.run(head + state), args.prefill_reps)
+        r["region_fraction_of_bandwidth"] = {k: round(nb / (r["regions_us"][k] * 1e-6) / bw, 3)
+                                             for k, nb in region_bytes(model, T).items() if r["regions_us"].get(k)}
     del graph, state
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return r
+
+
+def bench_interleave(model, weights, args, dev) -> dict:
+    """tools/bench_interleave.py's measurement through an Engine over this run's in-memory graphs (the weights
+    do not fit the device's disk as an artifact): --interleave streams decode at the smallest --batch bucket that
+    holds them while one --interleave-prompt-token prompt is admitted in chunks of --interleave-chunk tokens,
+    once with the engine's default budget (one chunk per step) and once whole (all its chunks back to back,
+    the stall interleaving replaces: its TTFT is the chunked prompt's prefill time)."""
+    from onegraph.export.entry import graph_spec
+    from onegraph.graphs.signature import state_manifest
+    from onegraph.runtime import Engine
+    from onegraph.runtime.executor import GraphExecutor
+    from .bench_interleave import one_run
+    S, T, dtype = args.interleave, args.interleave_chunk, model.embed_tokens.weight.dtype
+    B = min(b for b in args.batch if b >= S)
+    graphs, meta, r = {}, {}, {}
+    for kind, bucket in (("decode", B), ("prefill", T)):
+        spec = graph_spec(model, kind, bucket, args.max_seq_len, dtype)
+        graphs[spec.name], meta[spec.name] = lower(model, weights, kind, bucket, args, dev, {}), spec.manifest()
+    ex = GraphExecutor({n: g.run for n, g in graphs.items()}, meta, state_manifest(model, args.max_seq_len, dtype),
+                       S + 1, args.max_seq_len, model.cfg.vocab_size, dev)
+    if dev.type == "cuda" and args.lower == "aoti":
+        ex._capture(graphs, copy_in=True)               # as GraphExecutor.from_artifact does
+    eng = Engine(ex)
+    try:
+        runs = []
+        for budget in ("chunk", "whole"):
+            eng.prefill_budget = T if budget == "chunk" else args.interleave_prompt
+            runs.append(dict(one_run(eng, S, args.interleave_prompt, 8, 0), budget=budget))
+            log(json.dumps(runs[-1]))
+    finally:
+        eng.close()
+    whole = runs[-1]["long_ttft_ms"]
+    r.update({"streams": S, "decode_bucket": B, "prompt_tokens": args.interleave_prompt, "prefill_chunk": T,
+              "path": ex.path, "runs": runs,
+              "chunked_prefill_tok_s": round(args.interleave_prompt / whole * 1e3, 1)})
+    del eng, ex, graphs
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return r
@@ -432,6 +481,11 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", type=lambda v: [int(x) for x in v.split(",")], default=[],
                     help="comma-separated prompt lengths: TTFT as one prefill graph of that chunk each")
     ap.add_argument("--prefill-reps", type=int, default=3)
+    ap.add_argument("--interleave", type=int, default=0, metavar="STREAMS",
+                    help="also: STREAMS decoding through an Engine over the in-memory graphs while a long prompt is "
+                         "admitted (tools/bench_interleave.py's figures; a --batch bucket must hold STREAMS)")
+    ap.add_argument("--interleave-prompt", type=int, default=32768, help="the long prompt's tokens (--interleave)")
+    ap.add_argument("--interleave-chunk", type=int, default=2048, help="its prefill chunk (--interleave)")
     ap.add_argument("--transformers", action="store_true",
                     help="then transformers eager on the same config and batches (its own random weights)")
     ap.add_argument("--fp32-reduce", action="store_true", help="the export option of that name (TP-invariant sums)")
@@ -466,6 +520,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.prefill and max(args.prefill) > args.max_seq_len:      # checked before minutes of lowering
         print(f"bench_big: --prefill {max(args.prefill)} exceeds --max-seq-len {args.max_seq_len}", file=sys.stderr)
+        return 2
+    if args.interleave and not (max(args.batch) >= args.interleave and args.interleave_chunk <= args.max_seq_len
+                                and args.interleave_prompt + 32 <= args.max_seq_len):
+        print(f"bench_big: --interleave {args.interleave} needs a --batch bucket of at least {args.interleave} rows and "
+              f"--interleave-prompt + 32 tokens (each stream's) within --max-seq-len", file=sys.stderr)
         return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_big: needs a CUDA device", file=sys.stderr)
@@ -531,8 +590,10 @@ def main(argv=None) -> int:
     out = Path(args.out)
     save = (lambda: out.write_text(json.dumps(res, indent=2) + "\n")) if args.rank == 0 else (lambda: None)
     out.parent.mkdir(parents=True, exist_ok=True)
-    args.prelowered = lower_all(model, [("decode", B) for B in args.batch] + [("prefill", T) for T in args.prefill],
-                                args, dev)
+    wanted = [("decode", B) for B in args.batch] + [("prefill", T) for T in args.prefill]
+    if args.interleave and ("prefill", args.interleave_chunk) not in wanted:
+        wanted.append(("prefill", args.interleave_chunk))
+    args.prelowered = lower_all(model, wanted, args, dev)
     res["batches"] = []
     for B in args.batch:
         r = bench_batch(model, weights, B, args, dev, (res["copy_bandwidth_GBps"] or 0) * 1e9)
@@ -551,8 +612,11 @@ def main(argv=None) -> int:
                 save()
     res["prefill"] = []
     for T in args.prefill:
-        res["prefill"].append(bench_prefill(model, weights, T, args, dev))
+        res["prefill"].append(bench_prefill(model, weights, T, args, dev, (res["copy_bandwidth_GBps"] or 0) * 1e9))
         log(json.dumps(res["prefill"][-1]))
+        save()
+    if args.interleave:
+        res["interleave"] = bench_interleave(model, weights, args, dev)
         save()
     if args.transformers and tp == 1:
         del model, weights
