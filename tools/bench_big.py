@@ -338,6 +338,7 @@ def bench_interleave(model, weights, args, dev) -> dict:
         graphs[spec.name], meta[spec.name] = lower(model, weights, kind, bucket, args, dev, {}), spec.manifest()
     ex = GraphExecutor({n: g.run for n, g in graphs.items()}, meta, state_manifest(model, args.max_seq_len, dtype),
                        S + 1, args.max_seq_len, model.cfg.vocab_size, dev)
+    ex.path = f"{args.lower}-{dev.type}"
     if dev.type == "cuda" and args.lower == "aoti":
         ex._capture(graphs, copy_in=True)               # as GraphExecutor.from_artifact does
     eng = Engine(ex)

@@ -9,13 +9,17 @@ online softmax; the causal mask (key j <= start_pos + token) is applied per row 
 where on [BM, BN]: cheap next to the two [BM, D] x [D, BN] dots). Heavy blocks (late tokens, more
 keys) get the lowest program ids, so they start first.
 
-Dot operands are fp32 (see attention_decode._dot: tf32 is exact on bf16/fp16 values and accumulates
-in fp32; fp32 models get "ieee"): the Triton interpreter cannot run bf16 dots. q k^T is summed over D
-in chunks of DC = 64 so that no fp32 [BM, D] operand has to live in registers (D = 256).
+A 16-bit model's dots take their operands in the model dtype (tensor cores, fp32 accumulation; `mma`:
+interpreted kernels upcast them first, exact), an fp32 model's run "ieee". q is loaded once per program
+([BM, D]: 32 registers a thread in bf16 at BM = 64, D = 256, 8 warps) and the key loop is a run-time `for`,
+which the compiler pipelines (K and V tiles of the next keys load while this tile's dots run).
 Numerics follow `masked_attention`: q k^T rounded to q.dtype, times scale in q.dtype; softmax in
 fp32; probabilities enter the value product in q.dtype, unnormalised (the reference rounds the
 normalised ones). That is a different draw of the same bf16 rounding noise, so bf16 outputs differ
 from the reference by up to 2 ulps (tests: |err| <= 1e-2 + 1e-2 |ref|); fp32 by <= 5e-5.
+Measured on the H200 at the 35B shape: the kernel before, with fp32 (tf32) operands, q k^T in D chunks and
+an unpipelined `while`, took 152 ms of a 360 ms TTFT(8192) (benchmarks/h200_35b_prefill.json); one layer's
+call at T = 8192: 15.6 ms then, 1.78 ms now (benchmarks/h200_attention_prefill.json).
 """
 from __future__ import annotations
 
@@ -26,8 +30,7 @@ from torch.library import triton_op
 
 from .. import _registry
 from ..attention_prefill import _validate
-from ._common import launch, next_pow2, rnd, to_dt
-from .attention_decode import _dot
+from ._common import INTERPRETED, launch, mma, next_pow2, rnd, to_dt
 
 
 @triton.jit
@@ -35,7 +38,7 @@ def _prefill_kernel(q, k_cache, v_cache, slot, start_pos, out,
                     s_q_t, s_q_h, s_q_d, s_k_s, s_k_h, s_k_t, s_k_d, s_v_s, s_v_h, s_v_t, s_v_d,
                     s_o_t, s_o_h, s_o_d, scale, T, Tmax,
                     G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
-                    DC: tl.constexpr, IEEE: tl.constexpr):
+                    DOT_F32: tl.constexpr):
     i_m = tl.num_programs(0) - 1 - tl.program_id(0)        # heaviest row block first
     i_kh = tl.program_id(1)
     DT: tl.constexpr = q.dtype.element_ty
@@ -49,7 +52,8 @@ def _prefill_kernel(q, k_cache, v_cache, slot, start_pos, out,
     qpos = p0 + tok                                          # [BM] each row attends keys j <= qpos
     offs_d = tl.arange(0, BD)
     md = offs_d < D
-    q_rows = q + tok[:, None] * s_q_t + heads[:, None] * s_q_h             # [BM, 1] row pointers
+    qb = tl.load(q + tok[:, None] * s_q_t + heads[:, None] * s_q_h + offs_d[None, :] * s_q_d,
+                 mask=mr[:, None] & md[None, :], other=0.0)                          # [BM, BD] q.dtype
     k_base = k_cache + base_slot * s_k_s + i_kh * s_k_h
     v_base = v_cache + base_slot * s_v_s + i_kh * s_v_h
     last_tok = tl.minimum((i_m * BM + BM - 1) // G, T - 1)
@@ -59,25 +63,14 @@ def _prefill_kernel(q, k_cache, v_cache, slot, start_pos, out,
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BD], tl.float32)                     # unnormalised output rows
-    # A `while`, not `for start in range(0, hi, BN)`: the compiler would pipeline a `for` (as in
-    # attention_decode), but at this tile its stages take 256 KB of shared memory, over sm_90's 227 KB
-    # (tools/compile_check.py). Key 0 is allowed for every row (also
-    # the padding rows past T*G, whose qpos >= 0), so no row's running max stays -inf: no NaN.
-    start = 0
-    while start < hi:
+    # Key 0 is allowed for every row (also the padding rows past T*G, whose qpos >= 0), so no row's
+    # running max stays -inf: no NaN.
+    for start in range(0, hi, BN):
         offs_n = start + tl.arange(0, BN)                    # [BN]
         mn = offs_n < hi
-        # q k^T over D in chunks of DC: a loop-invariant fp32 q [BM, D] would be hoisted into
-        # registers as the dot's left operand (D = 256: 128 per thread, next to the accumulator's
-        # 64); q chunks are re-read each tile instead (L1 hits) and live only for their dot.
-        s = tl.zeros([BM, BN], tl.float32)
-        for c in tl.static_range(0, BD, DC):
-            offs_c = c + tl.arange(0, DC)
-            mc = offs_c < D
-            qc = tl.load(q_rows + offs_c[None, :] * s_q_d, mask=mr[:, None] & mc[None, :], other=0.0)
-            kc = tl.load(k_base + offs_n[:, None] * s_k_t + offs_c[None, :] * s_k_d,
-                         mask=mn[:, None] & mc[None, :], other=0.0)
-            s += _dot(qc.to(tl.float32), tl.trans(kc.to(tl.float32)), IEEE)   # [BM, BN] fp32
+        kt = tl.load(k_base + offs_n[None, :] * s_k_t + offs_d[:, None] * s_k_d,
+                     mask=md[:, None] & mn[None, :], other=0.0)                     # [BD, BN]
+        s = mma(qb, kt, tl.zeros([BM, BN], tl.float32), DOT_F32)                    # [BM, BN] fp32
         s = rnd(rnd(s, DT) * sc, DT)                         # (q k^T) * scale in q.dtype
         s = tl.where(mn[None, :] & (offs_n[None, :] <= qpos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -86,28 +79,30 @@ def _prefill_kernel(q, k_cache, v_cache, slot, start_pos, out,
         l_i = l_i * alpha + tl.sum(p, axis=1)
         vt = tl.load(v_base + offs_n[:, None] * s_v_t + offs_d[None, :] * s_v_d,
                      mask=mn[:, None] & md[None, :], other=0.0)                     # [BN, BD]
-        acc = acc * alpha[:, None] + _dot(rnd(p, DT), vt.to(tl.float32), IEEE)
+        acc = mma(to_dt(p, DT), vt, acc * alpha[:, None], DOT_F32)
         m_i = m_new
-        start += BN
 
     res = acc / l_i[:, None]
     tl.store(out + tok[:, None] * s_o_t + heads[:, None] * s_o_h + offs_d[None, :] * s_o_d,
              to_dt(res, out.dtype.element_ty), mask=mr[:, None] & md[None, :])
 
 
-def plan(T: int, G: int, D: int, ieee: bool) -> tuple[int, int, int]:
-    """-> (BM query rows, BN keys per tile, num_warps), fixed per graph shape."""
+def plan(T: int, G: int, KVH: int, D: int, ieee: bool) -> tuple[int, int, int, int]:
+    """-> (BM query rows, BN keys per tile, num_warps, num_stages), fixed per graph shape."""
     BD = max(16, next_pow2(D))
-    # D = 256 (35B): 64 rows (8 tokens x 8 heads) x 64 keys, 8 warps: the fp32 accumulator
-    # [64, 256] is 64 registers per thread; compiles for sm_90 without spills (compile_check).
-    # fp32 models (tests) take "ieee" dots, which run on CUDA cores from registers: smaller tiles.
-    bm = 32 if ieee else 64
-    BM = min(bm, max(16, next_pow2(T * G)))                 # a 1-token chunk needs only G rows
-    return BM, 32 if ieee else 64, 8 if BD >= 256 else 4
+    if ieee:       # fp32 models (tests): "ieee" dots run on CUDA cores from registers: small tiles
+        return min(32, max(16, next_pow2(T * G))), 32, 8 if BD >= 256 else 4, 2
+    # 16-bit, swept on the H200 at the 35B shape (16 heads, 2 KV heads, D = 256; benchmarks/h200_attention_prefill.json):
+    # 128 rows (16 tokens x 8 heads) x 64 keys, 8 warps, 2 stages (160 KB of shared memory) where that still
+    # makes >= 256 programs: T = 8192 1.78 ms, 2048 tokens at position 30720 3.60 ms; a shorter chunk keeps more
+    # programs with 64 rows x 32 keys, 4 warps, 3 stages: T = 512 27 us (128 rows: 36 us).
+    if triton.cdiv(T * G, 128) * KVH >= 256:
+        return 128, 64, 8, 2
+    return min(64, max(16, next_pow2(T * G))), 32, 4, 3       # a 1-token chunk needs only G rows
 
 
 def run(q, k_cache, v_cache, slot, start_pos, scale: float, block_m: int, block_n: int,
-        num_warps: int = 4) -> torch.Tensor:
+        num_warps: int = 4, stages: int = 2) -> torch.Tensor:
     """The launch with an explicit tiling (the op uses `plan`; tests force small, odd tilings)."""
     T, H, D = q.shape
     KVH, Tmax = k_cache.shape[1], k_cache.shape[2]
@@ -118,8 +113,7 @@ def run(q, k_cache, v_cache, slot, start_pos, scale: float, block_m: int, block_
     out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     launch(_prefill_kernel, (triton.cdiv(T * G, block_m), KVH), q, k_cache, v_cache, slot, start_pos, out,
            *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), float(scale), T, Tmax,
-           G=G, D=D, BM=block_m, BD=BD, BN=block_n, DC=min(64, BD), IEEE=q.dtype == torch.float32,
-           num_warps=num_warps)
+           G=G, D=D, BM=block_m, BD=BD, BN=block_n, DOT_F32=INTERPRETED, num_warps=num_warps, num_stages=stages)
     return out
 
 
@@ -129,8 +123,8 @@ def attention_prefill_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     _validate(q, k_cache, v_cache, slot, start_pos, scale)
     T, H, D = q.shape
     # tiling fixed at trace time from the static shapes
-    block_m, block_n, warps = plan(T, H // k_cache.shape[1], D, q.dtype == torch.float32)
-    return run(q, k_cache, v_cache, slot, start_pos, scale, block_m, block_n, warps)
+    block_m, block_n, warps, stages = plan(T, H // k_cache.shape[1], k_cache.shape[1], D, q.dtype == torch.float32)
+    return run(q, k_cache, v_cache, slot, start_pos, scale, block_m, block_n, warps, stages)
 
 
 _registry.register_lowering("attention_prefill", "triton", torch.ops.onegraph.attention_prefill_triton.default)
