@@ -1,7 +1,7 @@
 """Speculative decoding through an exported artifact (export --speculative-tokens, runtime Engine, CLI, metrics).
 
-One artifact of the trained builtin tiny model (fp32 CPU, K = 3, decode / spec buckets 1 and 2, prefill chunk
-16, max_seq_len 192) runs with speculation on and off (the same artifact: speculation off uses its decode
+One artifact of the trained builtin tiny model (fp32 CPU, K = 3, decode / spec bucket 2 (one row runs it padded),
+prefill chunk 16, max_seq_len 192) runs with speculation on and off (the same artifact: speculation off uses its decode
 graphs). The reference is speculation off, and for the first test also the eager model (graphs/eager.py).
 Checked: greedy token identity for 128 tokens with real acceptances; the canaries (staggered requests,
 mixed batches of greedy and sampled rows, a slot reused after rounds with rejections); seeded sampling
@@ -32,7 +32,7 @@ def heldout_prompts(n, length):
 def spec_artifact(tmp_path_factory):
     from onegraph.export.pipeline import ExportOptions, export
     out = tmp_path_factory.mktemp("art") / "tiny_spec"
-    export("tiny", out, ExportOptions(batch_sizes=(1, 2), prefill_chunks=(16,), max_seq_len=MAX_SEQ,
+    export("tiny", out, ExportOptions(batch_sizes=(2,), prefill_chunks=(16,), max_seq_len=MAX_SEQ,
                                       speculative_tokens=K), progress=False)
     return out
 
@@ -51,10 +51,10 @@ def engines(spec_artifact, one_thread):
 def test_manifest_and_graphs(spec_artifact):
     m = json.loads((spec_artifact / "manifest.json").read_text())
     assert m["speculative_tokens"] == K and m["options"]["speculative_tokens"] == K
-    assert sorted(m["graphs"]) == ["decode_b1", "decode_b2", "prefill_t16", "spec_b1", "spec_b2"]
+    assert sorted(m["graphs"]) == ["decode_b2", "prefill_t16", "spec_b2"]
     names = [t["name"] for t in m["state"]]
     assert names[-4:] == ["mtp0.k_cache", "mtp0.v_cache", "spec.y", "spec.pos"]
-    assert not any(i["name"].startswith(("mtp", "spec.")) for i in m["graphs"]["decode_b1"]["inputs"])
+    assert not any(i["name"].startswith(("mtp", "spec.")) for i in m["graphs"]["decode_b2"]["inputs"])
     assert m["graphs"]["spec_b2"]["outputs"] == ["next_ids", "n_accepted", "targets", "drafts"]
 
 
