@@ -6,7 +6,7 @@ in the model (a strided input, a state row written to the wrong slot, a prefill 
 With a GPU the same test runs the compiled kernels on it.
 
 fp32: greedy and seeded top-k/top-p ids identical for 8 tokens on a GPU; interpreted (each decode step costs
-tens of seconds on a CPU) 6 greedy and 4 sampled tokens: the prompt's 2 prefill chunks, then 5 and 3 decode
+tens of seconds on a CPU) 4 greedy and 3 sampled tokens: the prompt's 2 prefill chunks, then 3 and 2 decode
 steps, each reading the state the one before wrote; logits within 1e-4; no Python reference
 ran during the lowered generation. The decode graph runs with export/inplace.py's fold applied (the GDN
 state rows written by the in-place kernel, no index_copy left) and export/fold_norm.py's (no norm kernel
@@ -65,8 +65,8 @@ def executors():
     return lowered, eager
 
 
-@pytest.mark.parametrize("sampling, n", [(Sampling(), 8 if CUDA else 6),
-                                         (Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=7), 8 if CUDA else 4)],
+@pytest.mark.parametrize("sampling, n", [(Sampling(), 8 if CUDA else 4),
+                                         (Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=7), 8 if CUDA else 3)],
                          ids=["greedy", "top_k_top_p"])
 def test_tiny_through_triton_lowerings_matches_eager(executors, sampling, n):
     lowered, eager = executors
