@@ -35,7 +35,7 @@ def test_replay_equals_eager_64_tokens(engine, tiny_eager):
 def test_replay_equals_eager_transformers_checkpoint(hf_artifact, hf_checkpoint):
     from onegraph.graphs.load import load_model
     _, model, _ = load_model(hf_checkpoint)
-    eng = Engine.from_artifact(hf_artifact, max_slots=2)
+    eng = Engine.from_artifact(hf_artifact, max_slots=1)
     try:
         prompt = [5, 17, 42, 99, 3, 250, 7, 64, 11]
         got = eng.generate(prompt, 64).token_ids
