@@ -4,6 +4,7 @@ onegraph model eager, and the bandwidth limit measured in the same run.
 
     python -m onegraph.tools.bench_big --batch 1,64 --profile --out benchmarks/h200_35b.json
     python -m onegraph.tools.bench_big --batch 1 --prefill 512,2048 --out ttft.json     # + TTFT per prompt length
+    python -m onegraph.tools.bench_big --batch 8 --prefill 512 --max-seq-len 34816 --interleave 8 --out il.json
     python -m onegraph.tools.bench_big --batch 1,8 --transformers --out hf.json         # + transformers eager
     torchrun --nproc-per-node 2 -m onegraph.tools.bench_big --batch 1,64 --out tp2.json # tensor parallel
     python -m onegraph.tools.bench_big --batch 1 --layers 4 --speculative-tokens 1,2,3,4 --profile --out spec.json
