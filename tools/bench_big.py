@@ -330,10 +330,10 @@ def bench_interleave(model, weights, args, dev) -> dict:
     from onegraph.graphs.signature import state_manifest
     from onegraph.runtime import Engine
     from onegraph.runtime.executor import GraphExecutor
-    from .bench_interleave import one_run
+    from .bench_interleave import budget_runs
     S, T, dtype = args.interleave, args.interleave_chunk, model.embed_tokens.weight.dtype
     B = min(b for b in args.batch if b >= S)
-    graphs, meta, r = {}, {}, {}
+    graphs, meta = {}, {}
     for kind, bucket in (("decode", B), ("prefill", T)):
         spec = graph_spec(model, kind, bucket, args.max_seq_len, dtype)
         graphs[spec.name], meta[spec.name] = lower(model, weights, kind, bucket, args, dev, {}), spec.manifest()
@@ -342,19 +342,15 @@ def bench_interleave(model, weights, args, dev) -> dict:
     ex.path = f"{args.lower}-{dev.type}"
     if dev.type == "cuda" and args.lower == "aoti":
         ex._capture(graphs, copy_in=True)               # as GraphExecutor.from_artifact does
-    eng = Engine(ex)
+    eng = Engine(ex)                                    # its default budget: one chunk of T per step
     try:
-        runs = []
-        for budget in ("chunk", "whole"):
-            eng.prefill_budget = T if budget == "chunk" else args.interleave_prompt
-            runs.append(dict(one_run(eng, S, args.interleave_prompt, 8, 0), budget=budget))
-            log(json.dumps(runs[-1]))
+        runs = budget_runs(eng, ["chunk", "whole"], S, args.interleave_prompt, 8, 0)
     finally:
         eng.close()
-    whole = runs[-1]["long_ttft_ms"]
-    r.update({"streams": S, "decode_bucket": B, "prompt_tokens": args.interleave_prompt, "prefill_chunk": T,
-              "path": ex.path, "runs": runs,
-              "chunked_prefill_tok_s": round(args.interleave_prompt / whole * 1e3, 1)})
+    r = {"streams": S, "decode_bucket": B, "prompt_tokens": args.interleave_prompt, "prefill_chunk": T,
+         "path": ex.path, "runs": runs,
+         "chunked_prefill_tok_s": round(args.interleave_prompt / runs[-1]["long_ttft_ms"] * 1e3, 1)}
+    log(json.dumps(r))
     del eng, ex, graphs
     if dev.type == "cuda":
         torch.cuda.empty_cache()

@@ -75,6 +75,19 @@ def one_run(eng, streams: int, prompt_len: int, warmup: int, seed: int) -> dict:
             "decode_steps_between_chunks": eng.stats()["counters"].get("decode_steps_between_chunks", 0) - before}
 
 
+def budget_runs(eng, budgets: list[str], streams: int, prompt_len: int, warmup: int, seed: int) -> list[dict]:
+    """one_run per prefill budget (`chunk`: the engine's default, `whole`: the whole prompt, or a token count),
+    set on the idle engine between runs and restored after."""
+    default, runs = eng.prefill_budget, []
+    try:
+        for b in budgets:
+            eng.prefill_budget = default if b == "chunk" else prompt_len if b == "whole" else int(b)
+            runs.append(dict(one_run(eng, streams, prompt_len, warmup, seed), budget=b))
+    finally:
+        eng.prefill_budget = default
+    return runs
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m onegraph.tools.bench_interleave", description=__doc__.splitlines()[0])
     ap.add_argument("--artifact", required=True)
@@ -93,10 +106,7 @@ def main(argv=None) -> int:
             print(f"bench_interleave: error: --prompt-len must be in 1..{eng.ex.max_seq_len - 1} (the artifact's "
                   f"max_seq_len) and --warmup small enough for 16-token prompts", file=sys.stderr)
             return 2
-        default, runs = eng.prefill_budget, []
-        for b in args.budgets.split(","):
-            eng.prefill_budget = default if b == "chunk" else args.prompt_len if b == "whole" else int(b)
-            runs.append(dict(one_run(eng, args.streams, args.prompt_len, args.warmup, args.seed), budget=b))
+        runs = budget_runs(eng, args.budgets.split(","), args.streams, args.prompt_len, args.warmup, args.seed)
     finally:
         eng.close()
     import torch
