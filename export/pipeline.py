@@ -45,7 +45,7 @@ from onegraph.runtime.artifact import device_descriptor, load_manifest, tool_ver
 from onegraph.runtime.weight_refs import sha256_files
 
 from .cache import DEFAULT_DIR as DEFAULT_CACHE_DIR
-from .cache import GraphCache, graph_key, warm_toolchain
+from .cache import GraphCache, graph_key, program_digest, warm_toolchain
 from .program import save_without_weights, weights_of
 from .staging import check_target, interruptible, publish, staging
 from .trace import trace
@@ -234,7 +234,7 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
            jobs: int | None, on_lower_start) -> dict:
     from safetensors.torch import save_file
 
-    from .aoti import INDUCTOR_CONFIGS, lower_aoti
+    from .aoti import inductor_configs, lower_aoti
     dev = torch.device(opts.device)
     dtype = resolve_dtype(opts.dtype)
     specs_wanted = [("decode", b) for b in sorted(set(opts.batch_sizes))] + \
@@ -254,11 +254,16 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
     fuse_projections(model)          # the TP-1 eager model records the fixture: the same projections
 
     entries, timings, compile_s, cached, dests, keys = {}, {}, {}, [], {}, {}
+    # TP: a rank's graph whose traced program is rank 0's (weights aside) takes rank 0's package, compiled without
+    # any weight value in it (aoti.RANK_INDEPENDENT): tag -> rank 0's tag, and per (kind, bucket) rank 0's digest
+    same_as, first = {}, {}
     sub = "graphs/rank{rank}/" if tp > 1 else "graphs/"
     weights_file = "weights_rank{rank}.safetensors" if tp > 1 else "weights.safetensors"
-    lowering = {"eager_rounding": opts.eager_rounding, "inductor": INDUCTOR_CONFIGS}
+    lowering = {"eager_rounding": opts.eager_rounding, "inductor": inductor_configs(tp)}
     device_desc = device_descriptor(dev)
-    n_jobs = 1 if opts.backend != "aoti" else jobs or auto_jobs(n_graphs, dev)
+    # graphs to compile: at TP each one once, its other ranks taking rank 0's package (same_as below)
+    n_lower = len(specs_wanted) if tp > 1 else n_graphs
+    n_jobs = 1 if opts.backend != "aoti" else jobs or auto_jobs(n_lower, dev)
     work = stage / ".work"                              # programs and worker logs, removed before the manifest
     work.mkdir()
     # the fixture before any lowering worker gets the weights: sending them moves their storage into shared
@@ -281,7 +286,7 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
         if n_jobs > 1 and (cache is None or cache.empty()):
             # every graph will be compiled: the workers start now, their imports overlapping the tracing (with
             # a cache that may hold the graphs, at the first miss: a re-export then starts none)
-            pool = LoweringPool(min(n_jobs, n_graphs), dev, tp, work / "logs", on_lower_start)
+            pool = LoweringPool(min(n_jobs, n_lower), dev, tp, work / "logs", on_lower_start)
         with trace_group(tp) as group_name:
             for r, rank_model in enumerate(ranks):
                 # weights first: written once (--weights copy), and the cache key holds their digest, which
@@ -313,7 +318,7 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
                         bar.update()
                         continue
                     program = work / f"{tag.replace('/', '.')}.program.pt2"
-                    if cache is not None or n_jobs > 1:
+                    if cache is not None or n_jobs > 1 or tp > 1:
                         try:
                             save_without_weights(ep, program)
                         except Exception as e:      # e.g. an op torch.export cannot serialize
@@ -321,6 +326,15 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
                                                 f"{e}); `--jobs 1 --no-cache` lowers it in this process without "
                                                 f"saving it") from e
                     t_trace[tag] = time.time() - t
+                    if tp > 1:
+                        digest = program_digest(program)
+                        if r == 0:
+                            first[(kind, bucket)] = tag, digest
+                        elif first[(kind, bucket)][1] == digest:
+                            same_as[tag] = first[(kind, bucket)][0]       # copied in once rank 0's is lowered
+                            timings[tag] = round(time.time() - t, 2)
+                            bar.update()
+                            continue
                     if cache is not None:
                         keys[tag] = graph_key(program, weights_sha, dest.name, lowering, device_desc)
                         if cache.fetch(keys[tag], dest):
@@ -331,11 +345,11 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
                     if n_jobs == 1:                 # in this process, from the program in memory
                         bar.set_postfix_str(f"lower {tag}")
                         t1 = time.time()
-                        lower_aoti(ep, dest, opts.eager_rounding)
+                        lower_aoti(ep, dest, opts.eager_rounding, tp)
                         finished([Done(tag, time.time() - t1)])
                         continue
                     if pool is None:
-                        pool = LoweringPool(min(n_jobs, n_graphs), dev, tp, work / "logs", on_lower_start)
+                        pool = LoweringPool(min(n_jobs, n_lower), dev, tp, work / "logs", on_lower_start)
                     if not shared:
                         pool.share(r, weights_of(ep))
                         shared = True
@@ -347,6 +361,8 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
     finally:
         if pool is not None:
             pool.close()
+    for tag, src_tag in same_as.items():
+        shutil.copyfile(dests[src_tag], dests[tag])
     shutil.rmtree(work)
     bar.set_postfix_str("package")
     for name in TEXT_FILES:
@@ -386,7 +402,7 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
                                                   for r in range(tp)) if ref is None else 0,
             "weights_referenced": ref and {"checkpoint": ref["checkpoint"], "files": len(ref["files"]),
                                            "bytes": sum(f["size"] for f in ref["files"].values())},
-            "timings_s": timings, "compile_s": compile_s, "cached": cached,
+            "timings_s": timings, "compile_s": compile_s, "cached": cached, "same_as": same_as,
             "workers": len(pool.workers) if pool is not None else 0}
 
 
@@ -403,14 +419,16 @@ def reference(model_spec, src: Path, recipe: dict, digests: list[str], nbytes: l
 
 def summary_text(s: dict) -> str:
     """One line per graph (size, lowering seconds or reused), the weights, and a header with the totals."""
-    n, reused = len(s["graphs"]), len(s["cached"])
-    how = f" by {s['workers']} worker processes" if s["workers"] else " in this process" if n > reused else ""
-    lines = [f"artifact {s['out']}: {n} graphs: {n - reused} lowered{how}, {reused} reused from the cache; "
+    n, reused, same = len(s["graphs"]), len(s["cached"]), s.get("same_as", {})
+    lowered = n - reused - len(same)
+    how = f" by {s['workers']} worker processes" if s["workers"] else " in this process" if lowered else ""
+    ranks = f", {len(same)} rank 0's package" if same else ""
+    lines = [f"artifact {s['out']}: {n} graphs: {lowered} lowered{how}, {reused} reused from the cache{ranks}; "
              f"{s['total_s']} s in all"]
     for name, size in s["graphs"].items():
         tag = name.rsplit(".", 1)[0]
-        what = "reused from the cache" if tag in s["cached"] else \
-            f"lowered in {s['compile_s'][tag]} s" if tag in s["compile_s"] else f"{s['timings_s'][tag]} s (onnx)"
+        what = "reused from the cache" if tag in s["cached"] else f"rank 0's package ({same[tag]})" if tag in same \
+            else f"lowered in {s['compile_s'][tag]} s" if tag in s["compile_s"] else f"{s['timings_s'][tag]} s (onnx)"
         lines.append(f"  {name:<24} {size / 1e6:8.2f} MB  {what}")
     ref = s.get("weights_referenced")
     lines.append(f"  {'weights':<24} {s['weights_bytes'] / 1e6:8.2f} MB" if not ref else

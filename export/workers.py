@@ -264,7 +264,7 @@ def _worker_main(conn, log_path: str, device: str, tp: int, compile_threads: int
             try:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
-                    lower_aoti(load_with_weights(Path(program), weights[rank]), Path(out), eager_rounding)
+                    lower_aoti(load_with_weights(Path(program), weights[rank]), Path(out), eager_rounding, tp)
             except Exception:
                 conn.send(("error", traceback.format_exc()))
                 continue

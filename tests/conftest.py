@@ -39,6 +39,18 @@ def tiny_artifact(tmp_path_factory, aoti_cache):
 
 
 @pytest.fixture(scope="session")
+def tiny_bf16_artifact(tmp_path_factory):
+    """bf16 `tiny` with fp32_reduce at TP-1 (decode bucket 1, prefill chunk 16, 128 tokens): the bf16 artifact
+    test (test_export_aoti) and the TP-4 artifact test's reference (test_tp, which exports TP-4 with these
+    options, read back from the manifest) share its two compiles."""
+    from onegraph.export.pipeline import ExportOptions, export
+    out = tmp_path_factory.mktemp("art") / "tiny_bf16"
+    export("tiny", out, ExportOptions(dtype="bfloat16", batch_sizes=(1,), prefill_chunks=(16,), max_seq_len=128,
+                                      fp32_reduce=True), progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_eager():
     from onegraph.graphs.load import load_model
     return load_model("tiny")[1]

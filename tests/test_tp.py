@@ -317,20 +317,25 @@ def test_tp2_bench_under_torchrun(tp2_artifact, tmp_path):
     assert "]: Traceback" not in r.stderr, r.stderr[-3000:]
 
 
-def test_tp4_bf16_fp32_reduce_artifact_gives_tp1_artifact_ids(tmp_path):
+def test_tp4_bf16_fp32_reduce_artifact_gives_tp1_artifact_ids(tmp_path, tiny_bf16_artifact):
     """Exported with --fp32-reduce, the bf16 TP-4 artifact (torchrun generate on 4 CPU processes; tiny's 2 KV heads
     and 2 GDN key heads are replicated across the 4 ranks) gives the bf16 TP-1 artifact's ids (both load-time
     fixtures pass against eager with the option), up to a near-tie of the TP-1 graphs' top two logits. The TP-2
     form of this check, when written: 64 of 64 tokens identical, and identical fixture reports; the default bf16
     TP-2 artifact differs at the first token for this prompt (TP-1's prefill router margin is 0.0021). One test
-    for both (each export is minutes of compiles on 2 cores): TP-4 runs the replicated-head shards through the
-    compiled graphs, which the TP-2 artifact (tp2_artifact, fp32) does not."""
+    for both: TP-4 runs the replicated-head shards through the compiled graphs, which the TP-2 artifact
+    (tp2_artifact, fp32) does not. The TP-4 export compiles rank 0's 2 graphs and the other 3 ranks run copies of
+    them (docs/design.md "Export: one compile serves every TP rank"): this test is also what shows that a rank
+    holding one GDN head runs a package compiled for another rank's weights."""
     from onegraph.export.pipeline import ExportOptions, export
+    from onegraph.runtime.artifact import load_manifest
     from onegraph.runtime.executor import GraphExecutor
-    opts = dict(dtype="bfloat16", batch_sizes=(1,), prefill_chunks=(16,), max_seq_len=128, fp32_reduce=True)
-    export("tiny", tmp_path / "tp1", ExportOptions(**opts), progress=False)
-    export("tiny", tmp_path / "tp4", ExportOptions(tp=4, **opts), progress=False)
-    tp1 = GraphExecutor.from_artifact(tmp_path / "tp1", max_slots=1)            # fixture checked vs eager
+    opts = load_manifest(tiny_bf16_artifact)["options"]                          # conftest: bf16, fp32_reduce
+    assert opts["fp32_reduce"] and opts["dtype"] == "bfloat16" and opts["tp"] == 1
+    s = export("tiny", tmp_path / "tp4", ExportOptions(**dict(opts, tp=4)), progress=False)
+    assert s["same_as"] == {f"rank{r}/{g}": f"rank0/{g}" for r in (1, 2, 3) for g in ("decode_b1", "prefill_t16")}
+    assert sorted(s["compile_s"]) == ["rank0/decode_b1", "rank0/prefill_t16"]   # 2 compiles, not 8
+    tp1 = GraphExecutor.from_artifact(tiny_bf16_artifact, max_slots=1)          # fixture checked vs eager
     ref, logits = tp1.generate(PROMPT, 64)
     got = tp_generate(tmp_path / "tp4", PROMPT, 64, nproc=4)
     assert got["fixture"]["max_logit_diff"] <= 0.25, got["fixture"]
