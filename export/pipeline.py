@@ -422,12 +422,12 @@ def summary_text(s: dict) -> str:
     n, reused, same = len(s["graphs"]), len(s["cached"]), s.get("same_as", {})
     lowered = n - reused - len(same)
     how = f" by {s['workers']} worker processes" if s["workers"] else " in this process" if lowered else ""
-    ranks = f", {len(same)} rank 0's package" if same else ""
+    ranks = f", {len(same)} copied from rank 0" if same else ""
     lines = [f"artifact {s['out']}: {n} graphs: {lowered} lowered{how}, {reused} reused from the cache{ranks}; "
              f"{s['total_s']} s in all"]
     for name, size in s["graphs"].items():
         tag = name.rsplit(".", 1)[0]
-        what = "reused from the cache" if tag in s["cached"] else f"rank 0's package ({same[tag]})" if tag in same \
+        what = "reused from the cache" if tag in s["cached"] else f"copy of {same[tag]}" if tag in same \
             else f"lowered in {s['compile_s'][tag]} s" if tag in s["compile_s"] else f"{s['timings_s'][tag]} s (onnx)"
         lines.append(f"  {name:<24} {size / 1e6:8.2f} MB  {what}")
     ref = s.get("weights_referenced")
