@@ -102,10 +102,11 @@ def program_digest(program: Path) -> str:
     return h.hexdigest()
 
 
-def graph_key(program: Path, weights_sha256: str, file_name: str, lowering: dict, device: dict) -> str:
+def graph_key(program_sha256: str, weights_sha256: str, file_name: str, lowering: dict, device: dict) -> str:
+    """program_sha256: program_digest of the traced program saved without its weights."""
     meta = {"key_version": KEY_VERSION, "weights_sha256": weights_sha256, "file": file_name,
             "lowering": lowering, "device": device, "toolchain": toolchain(device["type"]),
-            "program": program_digest(program)}
+            "program": program_sha256}
     return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
 
 

@@ -326,8 +326,8 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
                                                 f"{e}); `--jobs 1 --no-cache` lowers it in this process without "
                                                 f"saving it") from e
                     t_trace[tag] = time.time() - t
+                    digest = program_digest(program) if cache is not None or tp > 1 else None
                     if tp > 1:
-                        digest = program_digest(program)
                         if r == 0:
                             first[(kind, bucket)] = tag, digest
                         elif first[(kind, bucket)][1] == digest:
@@ -336,7 +336,7 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
                             bar.update()
                             continue
                     if cache is not None:
-                        keys[tag] = graph_key(program, weights_sha, dest.name, lowering, device_desc)
+                        keys[tag] = graph_key(digest, weights_sha, dest.name, lowering, device_desc)
                         if cache.fetch(keys[tag], dest):
                             cached.append(tag)
                             timings[tag] = round(time.time() - t, 2)
