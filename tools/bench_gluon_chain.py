@@ -10,7 +10,7 @@ keeps S boxes in flight: box t + S - 1 is issued (TMA, async proxy) before box t
 form the next phase's weights stream while the program waits at the grid barrier for the previous phase's
 outputs (the activations are the only thing a phase waits for). The launched form is the same loop, one phase
 per launch."""
-import json, sys
+import json, sys, time
 import torch
 import triton
 from triton.experimental import gluon
@@ -22,36 +22,40 @@ RB, BK, BOXES = 16, 256, 16          # box [RB, BK] bf16 = 8 KB; boxes per progr
 
 
 @gluon.jit
-def _issue(t, desc_a, desc_b, ring, bars, pid, A: gl.constexpr, B: gl.constexpr, S: gl.constexpr,
+def _issue(t, t0, desc_a, desc_b, ring, bars, pid, A: gl.constexpr, B: gl.constexpr, S: gl.constexpr,
            RB: gl.constexpr, BK: gl.constexpr, BOXES: gl.constexpr):
-    """issue the TMA load of this program's box t (phase t // BOXES) into ring slot t % S."""
+    """issue the TMA load of this program's box t (phase t // BOXES) into ring slot (t - t0) % S (t0: the launch's
+    first box, whose slot is 0)."""
     p = t // BOXES
     j = t % BOXES
     q = p // 2
-    bar = bars.index(t % S)
+    bar = bars.index((t - t0) % S)
     mbarrier.expect(bar, RB * BK * 2)
     if p % 2 == 0:       # [A x B] phase: 2 row groups x 8 column boxes
         tma.async_copy_global_to_shared(desc_a, [q * A + pid * (2 * RB) + (j // 8) * RB, (j % 8) * BK], bar,
-                                        ring.index(t % S))
+                                        ring.index((t - t0) % S))
     else:                # [B x A] phase: 1 row group x 16 column boxes
-        tma.async_copy_global_to_shared(desc_b, [q * B + pid * RB, j * BK], bar, ring.index(t % S))
+        tma.async_copy_global_to_shared(desc_b, [q * B + pid * RB, j * BK], bar, ring.index((t - t0) % S))
 
 
 @gluon.jit
 def _phase(IS_A: gl.constexpr, t, t0, t1, q, P0, desc_a, desc_b, ring, bars, xs, x, ya, yb, counter, pid,
            A: gl.constexpr, B: gl.constexpr, G: gl.constexpr, S: gl.constexpr, RB: gl.constexpr, BK: gl.constexpr,
-           BOXES: gl.constexpr, BARRIER: gl.constexpr, L: gl.constexpr, XL: gl.constexpr):
+           BOXES: gl.constexpr, BARRIER: gl.constexpr, L: gl.constexpr, XL: gl.constexpr, STEP: gl.constexpr):
     """one phase p = 2q (IS_A: ya[q] = wa[q] @ (x or yb[q - 1])) or 2q + 1 (yb[q] = wb[q] @ ya[q]): this program's
     16 boxes t .. t + 15 of the flat box sequence t0 .. t1 that this launch streams. Returns t + 16."""
     p = 2 * q + (0 if IS_A else 1)
     K: gl.constexpr = B if IS_A else A
     acc = gl.zeros([RB, BK], gl.float32, L)
     for j in gl.static_range(BOXES):
-        # the slot box t + S - 1 goes into was read at step t - 1: every warp done with it, then the async proxy
-        gl.thread_barrier()
-        fence_async_shared()
-        if t + S - 1 < t1:
-            _issue(t + S - 1, desc_a, desc_b, ring, bars, pid, A, B, S, RB, BK, BOXES)
+        if j % STEP == 0:
+            # the slots boxes t + S - STEP .. t + S - 1 go into were read at steps t - STEP .. t - 1: every warp
+            # done with them, then the async proxy
+            gl.thread_barrier()
+            fence_async_shared()
+            for k in gl.static_range(STEP):
+                if t + S - STEP + k < t1:
+                    _issue(t + S - STEP + k, t0, desc_a, desc_b, ring, bars, pid, A, B, S, RB, BK, BOXES)
         if j == 0:       # phase start: wait for the previous phase's outputs, stage x in shared memory (fp32)
             if BARRIER:
                 if p > P0:
@@ -94,10 +98,10 @@ def _phase(IS_A: gl.constexpr, t, t0, t1, q, P0, desc_a, desc_b, ring, bars, xs,
 @gluon.jit
 def _ring_gemv(desc_a, desc_b, x, ya, yb, counter, P0, P1, A: gl.constexpr, B: gl.constexpr, G: gl.constexpr,
                S: gl.constexpr, RB: gl.constexpr, BK: gl.constexpr, BOXES: gl.constexpr, BARRIER: gl.constexpr,
-               WARPS: gl.constexpr):
+               WARPS: gl.constexpr, STEP: gl.constexpr):
     """phases P0 <= p < P1: even p = 2q: ya[q] = wa[q] @ (x if q == 0 else yb[q - 1]); odd p = 2q + 1:
     yb[q] = wb[q] @ ya[q]. BARRIER: wait for every program's arrival on counter[p - 1] before phase p
-    (persistent form); without it each launch runs one phase."""
+    (persistent form); without it each launch runs one phase. STEP: boxes refilled per block barrier."""
     pid = gl.program_id(0)
     L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])       # [WARPS, 256] per pass
     XL: gl.constexpr = gl.BlockedLayout([4], [32], [WARPS], [0])
@@ -108,17 +112,17 @@ def _ring_gemv(desc_a, desc_b, x, ya, yb, counter, P0, P1, A: gl.constexpr, B: g
         mbarrier.init(bars.index(i), count=1)
     t0 = P0 * BOXES
     t1 = P1 * BOXES
-    for i in gl.static_range(S - 1):
+    for i in gl.static_range(S - STEP):
         if t0 + i < t1:
-            _issue(t0 + i, desc_a, desc_b, ring, bars, pid, A, B, S, RB, BK, BOXES)
+            _issue(t0 + i, t0, desc_a, desc_b, ring, bars, pid, A, B, S, RB, BK, BOXES)
     t = t0
     for q in range(P0 // 2, (P1 + 1) // 2):
         if 2 * q >= P0:
             t = _phase(True, t, t0, t1, q, P0, desc_a, desc_b, ring, bars, xs, x, ya, yb, counter, pid, A, B, G, S,
-                       RB, BK, BOXES, BARRIER, L, XL)
+                       RB, BK, BOXES, BARRIER, L, XL, STEP)
         if 2 * q + 1 < P1:
             t = _phase(False, t, t0, t1, q, P0, desc_a, desc_b, ring, bars, xs, x, ya, yb, counter, pid, A, B, G,
-                       S, RB, BK, BOXES, BARRIER, L, XL)
+                       S, RB, BK, BOXES, BARRIER, L, XL, STEP)
     for i in gl.static_range(S):
         mbarrier.invalidate(bars.index(i))
 
@@ -162,35 +166,37 @@ def main():
     lay = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
     da = TensorDescriptor(wa.view(-1, B), [P // 2 * A, B], [B, 1], [RB, BK], lay)
     db = TensorDescriptor(wb.view(-1, A), [P // 2 * B, A], [A, 1], [RB, BK], lay)
-    for S in (8, 12, 16, 24):
-        for warps in (4, 8):
-            for persistent in (False, True):
-                key = f"{'persistent' if persistent else 'launched'}_S{S}_w{warps}"
-                ya = torch.empty(P // 2, A, device="cuda", dtype=torch.bfloat16)
-                yb = torch.empty(P // 2, B, device="cuda", dtype=torch.bfloat16)
-                counter = torch.zeros(P, device="cuda", dtype=torch.int32)
-                meta = dict(A=A, B=B, G=G, S=S, RB=RB, BK=BK, BOXES=BOXES, WARPS=warps, num_warps=warps)
+    variants = [(S, 4, STEP, pers) for pers in (True, False) for S in (8, 16, 24) for STEP in (1, 2, 4)]
+    variants += [(16, 8, 2, True), (12, 4, 2, True)]
+    t_start = time.time()
+    for S, warps, STEP, persistent in variants:
+        key = f"{'persistent' if persistent else 'launched'}_S{S}_w{warps}_step{STEP}"
+        ya = torch.empty(P // 2, A, device="cuda", dtype=torch.bfloat16)
+        yb = torch.empty(P // 2, B, device="cuda", dtype=torch.bfloat16)
+        counter = torch.zeros(P, device="cuda", dtype=torch.int32)
+        meta = dict(A=A, B=B, G=G, S=S, RB=RB, BK=BK, BOXES=BOXES, WARPS=warps, STEP=STEP, num_warps=warps)
 
-                def run():
-                    if persistent:
-                        counter.zero_()
-                        _ring_gemv[(G,)](da, db, x, ya, yb, counter, 0, P, BARRIER=True, **meta)
-                    else:
-                        for p in range(P):
-                            _ring_gemv[(G,)](da, db, x, ya, yb, counter, p, p + 1, BARRIER=False, **meta)
-                    return yb[-1:]
-                try:
-                    gp, out = capture(run)
-                    us = replay_us(gp, 5, 50) / P
-                    gp.replay()
-                    torch.cuda.synchronize()
-                    res[key] = {"us_per_phase": round(us, 2),
-                                "max_diff_vs_register_gemv": float((out.float() - ref.float()).abs().max())}
-                    if persistent:
-                        res[key]["counters_reached"] = counter.tolist() == [G] * P
-                except Exception as e:          # a variant that does not compile or fit is recorded, not hidden
-                    res[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                print(key, json.dumps(res[key]), flush=True)
+        def run():
+            if persistent:
+                counter.zero_()
+                _ring_gemv[(G,)](da, db, x, ya, yb, counter, 0, P, BARRIER=True, **meta)
+            else:
+                for p in range(P):
+                    _ring_gemv[(G,)](da, db, x, ya, yb, counter, p, p + 1, BARRIER=False, **meta)
+            return yb[-1:]
+        try:
+            gp, out = capture(run)
+            us = replay_us(gp, 5, 50) / P
+            gp.replay()
+            torch.cuda.synchronize()
+            res[key] = {"us_per_phase": round(us, 2),
+                        "max_diff_vs_register_gemv": float((out.float() - ref.float()).abs().max())}
+            if persistent:
+                res[key]["counters_reached"] = counter.tolist() == [G] * P
+        except Exception as e:          # a variant that does not compile or fit is recorded, not hidden
+            res[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(key, json.dumps(res[key]), f"t={time.time() - t_start:.0f}s", flush=True)
+        json.dump(res, open(sys.argv[1], "w"), indent=1)
     res["ref_absmax"] = float(ref.float().abs().max())
     json.dump(res, open(sys.argv[1], "w"), indent=1)
 
