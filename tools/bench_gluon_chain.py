@@ -41,7 +41,7 @@ def _issue(t, t0, desc_a, desc_b, ring, bars, pid, A: gl.constexpr, B: gl.conste
 @gluon.jit
 def _phase(IS_A: gl.constexpr, t, t0, t1, q, P0, desc_a, desc_b, ring, bars, xs, x, ya, yb, counter, pid,
            A: gl.constexpr, B: gl.constexpr, G: gl.constexpr, S: gl.constexpr, RB: gl.constexpr, BK: gl.constexpr,
-           BOXES: gl.constexpr, BARRIER: gl.constexpr, L: gl.constexpr, XL: gl.constexpr, STEP: gl.constexpr):
+           BOXES: gl.constexpr, BARRIER: gl.constexpr, L: gl.constexpr, XL: gl.constexpr, STEP: gl.constexpr, MODE: gl.constexpr):
     """one phase p = 2q (IS_A: ya[q] = wa[q] @ (x or yb[q - 1])) or 2q + 1 (yb[q] = wb[q] @ ya[q]): this program's
     16 boxes t .. t + 15 of the flat box sequence t0 .. t1 that this launch streams. Returns t + 16."""
     p = 2 * q + (0 if IS_A else 1)
@@ -57,12 +57,14 @@ def _phase(IS_A: gl.constexpr, t, t0, t1, q, P0, desc_a, desc_b, ring, bars, xs,
                 if t + S - STEP + k < t1:
                     _issue(t + S - STEP + k, t0, desc_a, desc_b, ring, bars, pid, A, B, S, RB, BK, BOXES)
         if j == 0:       # phase start: wait for the previous phase's outputs, stage x in shared memory (fp32)
-            if BARRIER:
+            if BARRIER and MODE == 0:
                 if p > P0:
                     c = gl.atomic_add(counter + p - 1, 0, sem="acquire")
                     while c < G:
                         c = gl.atomic_add(counter + p - 1, 0, sem="acquire")
             offs = gl.arange(0, K, layout=XL)
+            if MODE == 2:
+                offs = offs * 0
             if IS_A:
                 if q == 0:
                     xv = gl.load(x + offs)
@@ -74,7 +76,10 @@ def _phase(IS_A: gl.constexpr, t, t0, t1, q, P0, desc_a, desc_b, ring, bars, xs,
             gl.thread_barrier()
         u = t - t0
         mbarrier.wait(bars.index(u % S), (u // S) & 1)
-        w = ring.index(u % S).load(L).to(gl.float32)
+        if MODE == 2:       # stream only: the box is waited for, not read
+            w = gl.zeros([RB, BK], gl.float32, L)
+        else:
+            w = ring.index(u % S).load(L).to(gl.float32)
         if IS_A:
             xk = xs.slice((j % 8) * BK, BK).load(gl.SliceLayout(0, L))
         else:
@@ -98,10 +103,11 @@ def _phase(IS_A: gl.constexpr, t, t0, t1, q, P0, desc_a, desc_b, ring, bars, xs,
 @gluon.jit
 def _ring_gemv(desc_a, desc_b, x, ya, yb, counter, P0, P1, A: gl.constexpr, B: gl.constexpr, G: gl.constexpr,
                S: gl.constexpr, RB: gl.constexpr, BK: gl.constexpr, BOXES: gl.constexpr, BARRIER: gl.constexpr,
-               WARPS: gl.constexpr, STEP: gl.constexpr):
+               WARPS: gl.constexpr, STEP: gl.constexpr, MODE: gl.constexpr = 0):
     """phases P0 <= p < P1: even p = 2q: ya[q] = wa[q] @ (x if q == 0 else yb[q - 1]); odd p = 2q + 1:
     yb[q] = wb[q] @ ya[q]. BARRIER: wait for every program's arrival on counter[p - 1] before phase p
-    (persistent form); without it each launch runs one phase. STEP: boxes refilled per block barrier."""
+    (persistent form); without it each launch runs one phase. STEP: boxes refilled per block barrier. MODE (timing
+    only, wrong outputs): 1 no grid-barrier wait, 2 also boxes not read (the TMA stream and the ring's waits)."""
     pid = gl.program_id(0)
     L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])       # [WARPS, 256] per pass
     XL: gl.constexpr = gl.BlockedLayout([4], [32], [WARPS], [0])
@@ -119,10 +125,10 @@ def _ring_gemv(desc_a, desc_b, x, ya, yb, counter, P0, P1, A: gl.constexpr, B: g
     for q in range(P0 // 2, (P1 + 1) // 2):
         if 2 * q >= P0:
             t = _phase(True, t, t0, t1, q, P0, desc_a, desc_b, ring, bars, xs, x, ya, yb, counter, pid, A, B, G, S,
-                       RB, BK, BOXES, BARRIER, L, XL, STEP)
+                       RB, BK, BOXES, BARRIER, L, XL, STEP, MODE)
         if 2 * q + 1 < P1:
             t = _phase(False, t, t0, t1, q, P0, desc_a, desc_b, ring, bars, xs, x, ya, yb, counter, pid, A, B, G,
-                       S, RB, BK, BOXES, BARRIER, L, XL, STEP)
+                       S, RB, BK, BOXES, BARRIER, L, XL, STEP, MODE)
     for i in gl.static_range(S):
         mbarrier.invalidate(bars.index(i))
 
@@ -166,15 +172,14 @@ def main():
     lay = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
     da = TensorDescriptor(wa.view(-1, B), [P // 2 * A, B], [B, 1], [RB, BK], lay)
     db = TensorDescriptor(wb.view(-1, A), [P // 2 * B, A], [A, 1], [RB, BK], lay)
-    variants = [(S, 4, STEP, pers) for pers in (True, False) for S in (8, 16, 24) for STEP in (1, 2, 4)]
-    variants += [(16, 8, 2, True), (12, 4, 2, True)]
+    variants = [(S, 4, STEP, True, mode) for mode in (0, 1, 2) for S in (4, 8, 16) for STEP in (1, 4)]
     t_start = time.time()
-    for S, warps, STEP, persistent in variants:
-        key = f"{'persistent' if persistent else 'launched'}_S{S}_w{warps}_step{STEP}"
+    for S, warps, STEP, persistent, mode in variants:
+        key = f"{'persistent' if persistent else 'launched'}_S{S}_w{warps}_step{STEP}_mode{mode}"
         ya = torch.empty(P // 2, A, device="cuda", dtype=torch.bfloat16)
         yb = torch.empty(P // 2, B, device="cuda", dtype=torch.bfloat16)
         counter = torch.zeros(P, device="cuda", dtype=torch.int32)
-        meta = dict(A=A, B=B, G=G, S=S, RB=RB, BK=BK, BOXES=BOXES, WARPS=warps, STEP=STEP, num_warps=warps)
+        meta = dict(A=A, B=B, G=G, S=S, RB=RB, BK=BK, BOXES=BOXES, WARPS=warps, STEP=STEP, MODE=mode, num_warps=warps)
 
         def run():
             if persistent:
