@@ -23,7 +23,7 @@ RB, BK, BOXES = 16, 256, 16          # box [RB, BK] bf16 = 8 KB; boxes per progr
 
 @gluon.jit
 def _issue(t, t0, desc_a, desc_b, ring, bars, pid, A: gl.constexpr, B: gl.constexpr, S: gl.constexpr,
-           RB: gl.constexpr, BK: gl.constexpr, BOXES: gl.constexpr):
+           RB: gl.constexpr, BK: gl.constexpr, BOXES: gl.constexpr, CONTIG: gl.constexpr = False):
     """issue the TMA load of this program's box t (phase t // BOXES) into ring slot (t - t0) % S (t0: the launch's
     first box, whose slot is 0)."""
     p = t // BOXES
@@ -31,7 +31,14 @@ def _issue(t, t0, desc_a, desc_b, ring, bars, pid, A: gl.constexpr, B: gl.conste
     q = p // 2
     bar = bars.index((t - t0) % S)
     mbarrier.expect(bar, RB * BK * 2)
-    if p % 2 == 0:       # [A x B] phase: 2 row groups x 8 column boxes
+    if CONTIG:           # descriptors over the weights viewed [-1, BK]: box j = the program's j-th contiguous 8 KB
+        if p % 2 == 0:
+            tma.async_copy_global_to_shared(desc_a, [(q * A + pid * (2 * RB)) * (B // BK) + j * RB, 0], bar,
+                                            ring.index((t - t0) % S))
+        else:
+            tma.async_copy_global_to_shared(desc_b, [(q * B + pid * RB) * (A // BK) + j * RB, 0], bar,
+                                            ring.index((t - t0) % S))
+    elif p % 2 == 0:     # [A x B] phase: 2 row groups x 8 column boxes
         tma.async_copy_global_to_shared(desc_a, [q * A + pid * (2 * RB) + (j // 8) * RB, (j % 8) * BK], bar,
                                         ring.index((t - t0) % S))
     else:                # [B x A] phase: 1 row group x 16 column boxes
@@ -55,7 +62,7 @@ def _phase(IS_A: gl.constexpr, t, t0, t1, q, P0, desc_a, desc_b, ring, bars, xs,
             fence_async_shared()
             for k in gl.static_range(STEP):
                 if t + S - STEP + k < t1:
-                    _issue(t + S - STEP + k, t0, desc_a, desc_b, ring, bars, pid, A, B, S, RB, BK, BOXES)
+                    _issue(t + S - STEP + k, t0, desc_a, desc_b, ring, bars, pid, A, B, S, RB, BK, BOXES, MODE == 3)
         if j == 0:       # phase start: wait for the previous phase's outputs, stage x in shared memory (fp32)
             if BARRIER and MODE == 0:
                 if p > P0:
@@ -63,7 +70,7 @@ def _phase(IS_A: gl.constexpr, t, t0, t1, q, P0, desc_a, desc_b, ring, bars, xs,
                     while c < G:
                         c = gl.atomic_add(counter + p - 1, 0, sem="acquire")
             offs = gl.arange(0, K, layout=XL)
-            if MODE == 2:
+            if MODE >= 2:
                 offs = offs * 0
             if IS_A:
                 if q == 0:
@@ -76,7 +83,7 @@ def _phase(IS_A: gl.constexpr, t, t0, t1, q, P0, desc_a, desc_b, ring, bars, xs,
             gl.thread_barrier()
         u = t - t0
         mbarrier.wait(bars.index(u % S), (u // S) & 1)
-        if MODE == 2:       # stream only: the box is waited for, not read
+        if MODE >= 2:       # stream only: the box is waited for, not read
             w = gl.zeros([RB, BK], gl.float32, L)
         else:
             w = ring.index(u % S).load(L).to(gl.float32)
@@ -107,7 +114,8 @@ def _ring_gemv(desc_a, desc_b, x, ya, yb, counter, P0, P1, A: gl.constexpr, B: g
     """phases P0 <= p < P1: even p = 2q: ya[q] = wa[q] @ (x if q == 0 else yb[q - 1]); odd p = 2q + 1:
     yb[q] = wb[q] @ ya[q]. BARRIER: wait for every program's arrival on counter[p - 1] before phase p
     (persistent form); without it each launch runs one phase. STEP: boxes refilled per block barrier. MODE (timing
-    only, wrong outputs): 1 no grid-barrier wait, 2 also boxes not read (the TMA stream and the ring's waits)."""
+    only, wrong outputs): 1 no grid-barrier wait, 2 also boxes not read (the TMA stream and the ring's waits), 3 as
+    2 with each box 8 KB of contiguous weight rows."""
     pid = gl.program_id(0)
     L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])       # [WARPS, 256] per pass
     XL: gl.constexpr = gl.BlockedLayout([4], [32], [WARPS], [0])
@@ -120,7 +128,7 @@ def _ring_gemv(desc_a, desc_b, x, ya, yb, counter, P0, P1, A: gl.constexpr, B: g
     t1 = P1 * BOXES
     for i in gl.static_range(S - STEP):
         if t0 + i < t1:
-            _issue(t0 + i, t0, desc_a, desc_b, ring, bars, pid, A, B, S, RB, BK, BOXES)
+            _issue(t0 + i, t0, desc_a, desc_b, ring, bars, pid, A, B, S, RB, BK, BOXES, MODE == 3)
     t = t0
     for q in range(P0 // 2, (P1 + 1) // 2):
         if 2 * q >= P0:
@@ -172,9 +180,12 @@ def main():
     lay = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
     da = TensorDescriptor(wa.view(-1, B), [P // 2 * A, B], [B, 1], [RB, BK], lay)
     db = TensorDescriptor(wb.view(-1, A), [P // 2 * B, A], [A, 1], [RB, BK], lay)
-    variants = [(S, 4, STEP, True, mode) for mode in (0, 1, 2) for S in (4, 8, 16) for STEP in (1, 4)]
+    variants = [(S, 4, STEP, True, mode) for mode in (2, 3) for S in (8, 16) for STEP in (1, 4)]
     t_start = time.time()
+    dfa = TensorDescriptor(wa.view(-1, BK), [P // 2 * A * B // BK, BK], [BK, 1], [RB, BK], lay)
+    dfb = TensorDescriptor(wb.view(-1, BK), [P // 2 * B * A // BK, BK], [BK, 1], [RB, BK], lay)
     for S, warps, STEP, persistent, mode in variants:
+        d1, d2 = (dfa, dfb) if mode == 3 else (da, db)
         key = f"{'persistent' if persistent else 'launched'}_S{S}_w{warps}_step{STEP}_mode{mode}"
         ya = torch.empty(P // 2, A, device="cuda", dtype=torch.bfloat16)
         yb = torch.empty(P // 2, B, device="cuda", dtype=torch.bfloat16)
@@ -184,17 +195,17 @@ def main():
         def run():
             if persistent:
                 counter.zero_()
-                _ring_gemv[(G,)](da, db, x, ya, yb, counter, 0, P, BARRIER=True, **meta)
+                _ring_gemv[(G,)](d1, d2, x, ya, yb, counter, 0, P, BARRIER=True, **meta)
             else:
                 for p in range(P):
-                    _ring_gemv[(G,)](da, db, x, ya, yb, counter, p, p + 1, BARRIER=False, **meta)
+                    _ring_gemv[(G,)](d1, d2, x, ya, yb, counter, p, p + 1, BARRIER=False, **meta)
             return yb[-1:]
         try:
             gp, out = capture(run)
             us = replay_us(gp, 5, 50) / P
             gp.replay()
             torch.cuda.synchronize()
-            res[key] = {"us_per_phase": round(us, 2),
+            res[key] = {"us_per_phase": round(us, 2),  # mode 3 reads the flat views' boxes (descriptors below)
                         "max_diff_vs_register_gemv": float((out.float() - ref.float()).abs().max())}
             if persistent:
                 res[key]["counters_reached"] = counter.tolist() == [G] * P
