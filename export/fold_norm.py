@@ -91,3 +91,74 @@ def fold_input_norms(ep: torch.export.ExportedProgram) -> int:
         graph.lint()
         ep.graph_module.recompile()
     return folded
+
+
+GDN_NORM = "onegraph::gdn_decode_step_norm_triton"
+VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
+
+
+def _only_user(node):
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def fold_gated_norms(ep: torch.export.ExportedProgram) -> int:
+    """The GDN layer's output norm into out_proj's GEMV, at one row (CUDA/XPU lowering; before
+    export/inplace.py's fold_state_writes, which then puts the step's in-place twin in). Rewrites
+
+        y, c, r = onegraph.gdn_decode_step_norm_triton(qkv, a, b, z, conv, rec, slots, cw, A_log, dt_bias, nw, hk, eps)
+        out = onegraph.linear_triton(y.view(1, HV*V), W)
+
+    into `o, c, r = onegraph.gdn_decode_step_triton(qkv, a, b, conv, rec, slots, cw, A_log, dt_bias, hk)` and
+    `out = onegraph.gated_rms_norm_linear_triton(o.view(1, HV*V), z, nw, eps, W)`: the norm kernel's launch
+    gone (35B: 30 a step). Same values by the ops' contracts (the step norm op is the step then the norm; the
+    fused op the norm then the projection); the GEMV sums in another order (custom_ops/triton/
+    gated_rms_norm_linear.py). Only y read by that one projection of a float weight of y's dtype is folded (an
+    fp32_reduce out_proj, linear_f32, keeps the norm kernel); returns how many layers were folded."""
+    graph = ep.graph
+    step_op = torch.ops.onegraph.gdn_decode_step_triton.default
+    fused_op = torch.ops.onegraph.gated_rms_norm_linear_triton.default
+    folded = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or _qualname(node.target) != GDN_NORM or node.kwargs or len(node.args) != 13:
+            continue
+        outs = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+        if len(outs) != len(node.users) or 0 not in outs:
+            continue
+        y = outs[0]
+        view = _only_user(y)
+        if view is None or view.target not in VIEWS:
+            continue
+        lin = _only_user(view)
+        shape = view.meta["val"].shape
+        if (lin is None or _qualname(lin.target) != "onegraph::linear_triton" or lin.kwargs or lin.args[0] is not view
+                or not (isinstance(shape[0], int) and shape[0] == 1) or len(shape) != 2
+                or lin.args[1].meta["val"].dtype != y.meta["val"].dtype):
+            continue
+        qkv, a, b, z, conv, rec, slots, cw, A_log, dt_bias, nw, hk, eps = node.args
+        with graph.inserting_before(node):            # every input is node's or a weight: all defined by here
+            step = graph.call_function(step_op, (qkv, a, b, conv, rec, slots, cw, A_log, dt_bias, hk))
+            items = [graph.call_function(operator.getitem, (step, i)) for i in range(3)]
+            flat = graph.call_function(torch.ops.aten.view.default, (items[0], list(shape)))
+            fused = graph.call_function(fused_op, (flat, z, nw, eps, lin.args[1]))
+        step.meta["val"] = node.meta["val"]
+        for n, v in zip(items, node.meta["val"]):
+            n.meta["val"] = v
+        flat.meta["val"], fused.meta["val"] = view.meta["val"], lin.meta["val"]
+        for n in (step, *items, flat, fused):
+            n.meta["stack_trace"] = node.meta.get("stack_trace")
+            n.meta["nn_module_stack"] = node.meta.get("nn_module_stack")
+        lin.replace_all_uses_with(fused)
+        for i in (1, 2):
+            if i in outs:
+                outs[i].replace_all_uses_with(items[i])
+        for dead in (lin, view, *outs.values(), node):
+            graph.erase_node(dead)
+        for n in items:
+            if not n.users:
+                graph.erase_node(n)
+        folded += 1
+    if folded:
+        graph.lint()
+        ep.graph_module.recompile()
+    return folded

@@ -90,3 +90,55 @@ def test_fp8_projection_takes_the_norm():
     assert torch.equal(after[2], before[2])
     for a, b in zip(after[:2], before[:2]):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- fold_gated_norms: the GDN output norm in out_proj
+
+class GdnOut(torch.nn.Module):
+    """A GDN decode layer's step (its output norm in the op) and out_proj; f32: an fp32_reduce out_proj."""
+    def __init__(self, f32=False):
+        super().__init__()
+        self.f32 = f32
+
+    def forward(self, qkv, a, b, z, conv, rec, slots, cw, A_log, dt_bias, nw, w):
+        from test_ops import HK
+        y, new_conv, new_rec = ops.gdn_decode_step_norm(qkv, a, b, z, conv, rec, slots, cw, A_log, dt_bias, nw, HK,
+                                                        1e-6)
+        flat = y.reshape(qkv.shape[0], -1)
+        return (ops.linear_f32 if self.f32 else ops.linear)(flat, w), new_conv, new_rec
+
+
+def gdn_lowered(mod, rows):
+    from test_ops import HV, IS, V, Gen, case_gdn_decode_step_norm, materialise
+    g = Gen(rows)
+    args = materialise(case_gdn_decode_step_norm(g), torch.float32)
+    del args[11:]                                    # num_k_heads, eps: the module's constants
+    args[:4] = [t[:rows] for t in args[:4]]          # qkv, a, b, z
+    args[6] = args[6][:rows]                         # slots
+    args.append(materialise([g.m(IS, HV * V, scale=(HV * V) ** -0.5)], torch.float32)[0])
+    args = tuple(t.to(DEVICE) for t in args)
+    with torch.no_grad():
+        ep = torch.export.export(mod, args, strict=False).run_decompositions(decompositions("cuda"))
+    return ep, args
+
+
+def test_gated_norm_folds_into_out_proj_at_one_row_and_keeps_the_values():
+    from onegraph.export.fold_norm import fold_gated_norms
+    ep, args = gdn_lowered(GdnOut(), 1)
+    before = ep.module()(*args)
+    assert fold_gated_norms(ep) == 1
+    hist = check_lowered(ep, "cuda")
+    assert hist.get("onegraph::gated_rms_norm_linear_triton") == 1 and hist.get("onegraph::gdn_decode_step_triton") == 1
+    assert "onegraph::gdn_decode_step_norm_triton" not in hist and "onegraph::linear_triton" not in hist, hist
+    after = ep.module()(*args)
+    assert torch.allclose(after[0], before[0], rtol=1e-5, atol=1e-5)   # y: another summation order
+    for a, b in zip(after[1:], before[1:]):                            # the new state rows: the same step
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows, f32", [(2, False), (1, True)], ids=["two_rows", "fp32_reduce_out_proj"])
+def test_gated_norm_left_alone(rows, f32):
+    from onegraph.export.fold_norm import fold_gated_norms
+    ep, _ = gdn_lowered(GdnOut(f32), rows)
+    assert fold_gated_norms(ep) == 0
+    assert "onegraph::gdn_decode_step_norm_triton" in check_lowered(ep, "cuda")
