@@ -22,9 +22,8 @@ from ._common import launch, next_pow2, rnd, to_dt
 from .linear import project
 from .norms import gated_rms_norm_heads
 
-# (BN, warps) at one row: the best of 6 at the 35B out_proj (H200, `python -m onegraph.tools.bench_linear --gated`):
-# 7.84 us, (1, 8) 15.5 — every program makes the whole gated-norm row (4096 sigmoids), so fewer programs win
-TILE = (4, 8)
+# (BN, warps) at one row: out_proj's plain GEMV tile at K = 4096 is one row per program, 8 warps (linear.py)
+TILE = (1, 8)
 
 
 @triton.jit   # named for tools/bench_common.py REGIONS: a projection ("gemv"), not a norm kernel
