@@ -13,7 +13,6 @@ from .causal_conv_update import causal_conv_update  # noqa: F401
 from .fused_moe import fused_moe  # noqa: F401
 from .fused_moe_fp8 import fused_moe_fp8  # noqa: F401
 from .gated_rms_norm import gated_rms_norm  # noqa: F401
-from .gated_rms_norm_linear import gated_rms_norm_linear  # noqa: F401
 from .gdn_decode_step import gdn_decode_step  # noqa: F401
 from .gdn_decode_step_norm import gdn_decode_step_norm  # noqa: F401
 from .gdn_prefill import gdn_prefill  # noqa: F401

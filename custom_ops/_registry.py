@@ -53,7 +53,7 @@ TRITON_CUDA_OPS = frozenset({"gdn_decode_step", "gdn_prefill", "fused_moe", "att
                              "rms_norm", "add_rms_norm", "gated_rms_norm", "rope", "qk_norm_rope",
                              "causal_conv_update", "causal_conv_prefill", "sample", "linear", "linear_fp8",
                              "add_rms_norm_linear", "gdn_decode_step_norm", "fused_moe_fp8",
-                             "add_rms_norm_linear_fp8", "gated_rms_norm_linear"})
+                             "add_rms_norm_linear_fp8"})
 # (name, how) -> callable with the op's signature that export puts in the op's place.
 LOWERINGS: dict[tuple[str, str], Callable] = {}
 

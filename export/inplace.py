@@ -34,9 +34,7 @@ from torch.export.graph_signature import TensorArgument
 
 # functional Triton op -> its in-place twin; the mutated args' names in the twin's schema (in order)
 INPLACE = {"onegraph::gdn_decode_step_norm_triton": ("onegraph::gdn_decode_step_norm_inplace_triton",
-                                                       ("conv_state", "rec_state")),
-           # the step whose output norm export/fold_norm.py moved into out_proj's GEMV
-           "onegraph::gdn_decode_step_triton": ("onegraph::gdn_decode_step_inplace_triton", ("conv_state", "rec_state"))}
+                                                       ("conv_state", "rec_state"))}
 
 
 def inplace_op_names() -> set[str]:

@@ -11,7 +11,7 @@ import torch
 from onegraph.custom_ops import decompositions
 
 from .entry import GraphSpec, dynamic_shapes, entry_module, example_inputs
-from .fold_norm import fold_gated_norms, fold_input_norms
+from .fold_norm import fold_input_norms
 from .inplace import fold_state_writes, inplace_op_names
 from .inplace_kv import fold_kv_writes, kv_inplace_op_names
 
@@ -62,8 +62,7 @@ def check_lowered(ep: torch.export.ExportedProgram, device_type: str) -> dict[st
 def trace(model, spec: GraphSpec, device, kernels: str = "auto", batch: torch.export.Dim | None = None,
           fold_norms: bool = True) -> tuple[torch.export.ExportedProgram, dict]:
     """batch: a decode graph's batch dim made symbolic over that Dim's range (entry.dynamic_shapes).
-    fold_norms=False (benchmarks only: the before of a before/after pair) keeps the batch-1 input norms and GDN
-    output norms apart."""
+    fold_norms=False (benchmarks only: the before of a before/after pair) keeps the batch-1 input norms apart."""
     dev = torch.device(device)
     args = example_inputs(spec, dev)
     with torch.no_grad():
@@ -71,8 +70,6 @@ def trace(model, spec: GraphSpec, device, kernels: str = "auto", batch: torch.ex
                                  dynamic_shapes=dynamic_shapes(spec, batch), strict=False)
         ep = ep.run_decompositions(decompositions(dev.type, kernels))
         if dev.type != "cpu" and kernels == "auto":
-            if fold_norms:
-                fold_gated_norms(ep)       # batch 1: the GDN output norm in out_proj's GEMV
             fold_state_writes(ep)          # the Triton kernels write decode state rows in place
             fold_kv_writes(ep)             # and the attention layers' KV-cache rows
             if fold_norms:

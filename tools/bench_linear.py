@@ -7,11 +7,6 @@
 (custom_ops/triton/linear.py REGS: the normed row in registers, the whole row one K tile), per (BN, warps),
 against the pair it replaces (the add_rms_norm kernel, then the GEMV at its tile) and the row-once form.
 
---gated: gated_rms_norm_linear at M = 1, the GDN output norm folded into out_proj's GEMV (custom_ops/triton/
-gated_rms_norm_linear.py), per (BN, warps), against the pair it replaces (the gated norm kernel, then the GEMV).
-
-    python -m onegraph.tools.bench_linear --gated --out benchmarks/h200_linear_gated.json
-
 --fp8: onegraph::linear_fp8's kernel (block-FP8 weights, custom_ops/triton/linear_fp8.py) on the FP8 model's
 projections (graphs/fuse.py: the GDN in_proj's FP8 run [qkv; z]; the attention's [q; k; v]; out/o_proj).
 
@@ -126,47 +121,12 @@ def bench_norm(args, dev, bw) -> dict:
     return {"rows": rows, "best_norm_row_tile": {"tile": list(best), "us_per_step": round(totals[best], 2)}}
 
 
-GATED_TILES = [(bn, w) for bn, w in itertools.product((1, 2, 4), (4, 8))]
-
-
-def bench_gated(args, dev, bw) -> dict:
-    """--gated (module docstring): out_proj's shape (35B: 32 value heads of 128, [2048 x 4096]), µs per call."""
-    from onegraph.custom_ops.triton import linear as lin
-    from onegraph.custom_ops.triton.gated_rms_norm_linear import TILE, gated_norm_gemv
-    from onegraph.custom_ops.triton.norms import gated_rms_norm_heads
-    HV, V, N = 32, 128, 2048
-    K = HV * V
-    ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * K ** -0.5 for _ in range(20)]
-    x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
-    z = torch.randn(1, 12352, device=dev, dtype=torch.bfloat16)[:, 4096:4096 + K]    # a view of the fused in_proj
-    nw = torch.randn(V, device=dev, dtype=torch.bfloat16) * 0.1 + 1
-    normed = torch.empty(1, HV, V, device=dev, dtype=torch.bfloat16)
-
-    def pair(a, w):
-        gated_rms_norm_heads(a.view(1, HV, V), z, nw, 1e-6, normed)
-        return lin.gemv(normed.view(1, K), w)
-    row = {"M": 1, "name": "out_proj", "N": N, "K": K, "MB": round(2 * N * K / 1e6, 1), "tile_in_code": list(TILE)}
-    row["plain_gemv_us"] = round(time_calls(lin.gemv, ws, x, args.reps), 2)
-    row["pair_us"] = round(time_calls(pair, ws, x, args.reps), 2)
-    per = {}
-    for bn, warps in GATED_TILES:
-        per[(bn, warps)] = time_calls(lambda a, w: gated_norm_gemv(a, z, nw, 1e-6, w, cfg=(bn, warps)), ws, x,
-                                      args.reps)
-    row["fused_us"] = {f"{bn},{w}": round(u, 2) for (bn, w), u in sorted(per.items(), key=lambda kv: kv[1])}
-    best = min(per, key=per.get)
-    row["fused_best"], row["fused_best_us"] = list(best), round(per[best], 2)
-    row["fused_best_bw"] = round(2 * N * K / (per[best] * 1e-6) / bw, 3)
-    print(json.dumps(row), flush=True)
-    return {"rows": [row]}
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,8", help="comma-separated M values")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--fp8", action="store_true", help="the block-FP8 projection kernel instead of the bf16 GEMV")
     ap.add_argument("--norm", action="store_true", help="add_rms_norm_linear's one-row form (module docstring); bf16 weights only, --fp8 is not read")
-    ap.add_argument("--gated", action="store_true", help="gated_rms_norm_linear's one-row form (module docstring)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -179,8 +139,8 @@ def main(argv=None) -> int:
     res = {"command": "python -m onegraph.tools.bench_linear " + " ".join(sys.argv[1:] if argv is None else argv),
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_GBps": round(bw / 1e9, 1),
            "rows": []}
-    if args.norm or args.gated:
-        res.update(bench_norm(args, dev, bw) if args.norm else bench_gated(args, dev, bw))
+    if args.norm:
+        res.update(bench_norm(args, dev, bw))
         with open(args.out, "w") as f:
             json.dump(res, f, indent=2)
         return 0

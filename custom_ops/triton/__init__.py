@@ -24,7 +24,6 @@ One file per op (kernel + launcher + triton_op), sharing `_common.py`:
   add_rms_norm_linear.py  the residual add + RMSNorm folded into the projection GEMV's prologue
   linear_fp8.py        block-FP8 weight projection: e4m3 bytes and 128x128 scales applied in registers
   add_rms_norm_linear_fp8.py  the same fold for a block-FP8 projection (one row: the normed row in registers)
-  gated_rms_norm_linear.py  the GDN output norm folded into out_proj's GEMV prologue (one row)
   linear_w8a8.py       W8A8 projections (int8 / e4m3 per-channel weights, activations quantized per token)
 
 Without triton installed nothing is registered (AVAILABLE is False, IMPORT_ERROR says why) and the
@@ -41,6 +40,6 @@ else:
     AVAILABLE = True
     IMPORT_ERROR = None
     from . import (add_rms_norm_linear, add_rms_norm_linear_fp8, attention_decode, attention_prefill,  # noqa: F401
-                   causal_conv, fused_moe, fused_moe_fp8, gated_rms_norm_linear,
+                   causal_conv, fused_moe, fused_moe_fp8,
                    linear, gdn_decode_step, gdn_decode_step_norm, gdn_prefill, linear_fp8, linear_w8a8, norms,
                    qk_norm_rope, rope, sample)

@@ -21,7 +21,6 @@ from torch.library import triton_op
 
 from .. import _registry
 from ..gdn_decode_step import _validate
-from . import causal_conv
 from ._common import launch, next_pow2, rnd, to_dt
 
 
@@ -159,35 +158,6 @@ def run(qkv, a, b, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, nu
            float(K) ** -0.5,
            HK=num_k_heads, K=K, V=V, REP=HV // num_k_heads, W=W, WP=next_pow2(W), BK=BK, BV=BV,
            CONV_IN=conv_in, REC_IN_PLACE=new_rec is rec_state, num_warps=4 if BK * BV <= 4096 else 8)
-
-
-def run_split(qkv, a, b, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, num_k_heads, out, new_conv,
-              new_rec) -> None:
-    """The step as two launches: causal_conv_update's kernel (grid (B, C / 64), each channel's conv row owned by
-    one program) -> xc [B, C], then the step on xc (conv_in). Every state element is then written by the program
-    that reads it, so new_conv / new_rec may be conv_state / rec_state: the rows at slots in place (run's one
-    launch cannot: all of a key head's value-head programs read its q/k conv rows)."""
-    xc = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)          # [B, C] conv + SiLU
-    causal_conv.run_update(qkv, conv_state, slots, conv_weight, xc, new_conv)
-    run(xc, a, b, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, num_k_heads, out, new_conv, new_rec,
-        conv_in=True)
-
-
-@triton_op("onegraph::gdn_decode_step_inplace_triton", mutates_args={"conv_state", "rec_state"})
-def gdn_decode_step_inplace_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_state: torch.Tensor,
-                                   rec_state: torch.Tensor, slots: torch.Tensor, conv_weight: torch.Tensor,
-                                   A_log: torch.Tensor, dt_bias: torch.Tensor, num_k_heads: int) -> torch.Tensor:
-    """gdn_decode_step_triton followed by conv_state[slots] = new_conv_rows, rec_state[slots] = new_rec_rows, its
-    kernels writing the rows in place; returns out [B, HV, V]. Export puts it in place of that pattern
-    (export/inplace.py) where the GDN output norm went into out_proj's GEMV (export/fold_norm.py); never called
-    by the model."""
-    _validate(qkv, a, b, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, num_k_heads)
-    B = qkv.shape[0]
-    _, HV, _, V = rec_state.shape
-    out = qkv.new_empty((B, HV, V))
-    run_split(qkv, a, b, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, num_k_heads, out, conv_state,
-              rec_state)
-    return out
 
 
 _registry.register_lowering("gdn_decode_step", "triton", torch.ops.onegraph.gdn_decode_step_triton.default)

@@ -21,7 +21,7 @@ from torch.library import triton_op
 
 from .. import _registry
 from ..gdn_decode_step_norm import _validate
-from . import gdn_decode_step, norms
+from . import causal_conv, gdn_decode_step, norms
 
 
 def _launch(qkv, a, b, z, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, norm_weight, num_k_heads,
@@ -29,9 +29,11 @@ def _launch(qkv, a, b, z, conv_state, rec_state, slots, conv_weight, A_log, dt_b
     """The three launches into y [B, HV, V] and the new rows: into new_conv [B, C, W-1] / new_rec [B, HV, K, V],
     or in place into the state rows at slots when they are conv_state / rec_state. Same values as the
     reference composition (up to the fp32 summation order of the step)."""
+    xc = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)          # [B, C] conv + SiLU
+    causal_conv.run_update(qkv, conv_state, slots, conv_weight, xc, new_conv)
     out = torch.empty(y.shape, dtype=qkv.dtype, device=qkv.device)           # [B, HV, V] before the norm
-    gdn_decode_step.run_split(qkv, a, b, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, num_k_heads,
-                              out, new_conv, new_rec)
+    gdn_decode_step.run(xc, a, b, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, num_k_heads, out,
+                        new_conv, new_rec, conv_in=True)
     norms.gated_rms_norm_heads(out, z, norm_weight, eps, y)
 
 
