@@ -61,9 +61,14 @@ CASES = [
 ]
 
 
+# every case in fp32 and bf16, except the 200-token one in bf16 on a CPU: the interpreter takes ~30 s for it and the
+# bf16 roundings are the 35- and 65-token cases' (its 4-tile expert and BM = 64 are its fp32 run's); on a GPU all run
+PARAMS = [pytest.param(*c, d, id=f"{c[0]}-{name}") for c in CASES for d, name in ((torch.float32, "fp32"), (BF16, "bf16"))
+          if CUDA or c[0] < 200 or d == torch.float32]
+
+
 @needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("T,H,E,I,Is,top_k,hot,cold", CASES)
+@pytest.mark.parametrize("T,H,E,I,Is,top_k,hot,cold,dtype", PARAMS)
 def test_prefill_matches_reference(T, H, E, I, Is, top_k, hot, cold, dtype):
     args = moe_args(T, H, E, I, Is, top_k, dtype, seed=T, hot=hot, cold=cold)
     assert T * top_k > E                                          # the op takes its prefill path
