@@ -141,23 +141,26 @@ def test_subnormal_codes_convert_exactly(M):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("M", [1, 3])
-def test_add_rms_norm_linear_fp8_matches_reference(M, dtype):
-    """add_rms_norm_linear_fp8's lowering (one row: the normed row in registers, custom_ops/triton/linear_fp8.py
-    REGS; more rows: the norm kernel, then the projection): h is add_rms_norm's sum exactly, normed within one
-    rounding of the fp32 statistics, and y is the plain FP8 GEMV of those normed rows (at one row its tile, the
-    whole row one K tile, the same products: triton_env.same_sums), within the op's bound above."""
+@pytest.mark.parametrize("M, cfg", [(1, None), (1, (1, 4, 512, 4, 1)), (3, None)])
+def test_add_rms_norm_linear_fp8_matches_reference(M, cfg, dtype):
+    """add_rms_norm_linear_fp8's lowering (one row: custom_ops/triton/linear_fp8.py REGS, the normed row made per
+    K tile (its default tile, K = 300 > BK) or whole in registers (cfg: one K tile of 512); more rows: the norm
+    kernel, then the projection): h is add_rms_norm's sum exactly, normed within one rounding of the fp32
+    statistics, and y is the plain FP8 GEMV of those normed rows at the same tile (the same products:
+    triton_env.same_sums), within the op's bound above."""
     from onegraph.custom_ops.add_rms_norm_linear_fp8 import reference_add_rms_norm_linear_fp8
     N, K = 200, 300
     w, scale = _fp8_weight(N, K, seed=M)
     x, res = _x(M, K, dtype, seed=M), _x(M, K, dtype, seed=M + 50)
     nw = (_x(1, K, dtype, seed=M + 9)[0] * 0.1)
-    y, normed, h = torch.ops.onegraph.add_rms_norm_linear_fp8_triton(x, res, nw, 1e-6, w, scale)
+    if cfg is None:
+        y, normed, h = torch.ops.onegraph.add_rms_norm_linear_fp8_triton(x, res, nw, 1e-6, w, scale)
+    else:
+        y, normed, h = lin8.matmul(x, w, scale, cfg, norm=(res, nw, 1e-6))
     y_ref, normed_ref, h_ref = reference_add_rms_norm_linear_fp8(x, res, nw, 1e-6, w, scale)
     assert y.shape == (M, N) and torch.equal(h, h_ref)
     ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-6
     assert ((normed.float() - normed_ref.float()).abs() <= ulp * normed_ref.float().abs() + 1e-30).all()
-    bn, warps = lin8.NORM_ROW_TILE
-    plain = lin8.matmul(normed, w, scale, cfg=(1, bn, 512, warps, 1) if M == 1 else None)
+    plain = lin8.matmul(normed, w, scale, cfg=(cfg or lin8.norm_tile(K)) if M == 1 else None)
     same_sums(y, plain, normed, _dequant(w, scale))
     _check(y, normed, w, scale)

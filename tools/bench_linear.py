@@ -37,9 +37,14 @@ GEMV_TILES += [(bn, bk, w, 1) for bn, bk, w in itertools.product((1, 2, 4), (204
 DOT_TILES = list(itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4)))
 FP8_SHAPES = [("gdn_in_proj_qkvz", 12288, 2048, 30), ("attn_qkv", 9216, 2048, 10), ("out_or_o_proj", 2048, 4096, 40)]
 # the FMA GEMV and the dot path at M = 1 (x padded to 16 rows on the tensor cores)
-FP8_GEMV_TILES = [(1, bn, bk, w, s) for bn, bk, w, s in itertools.product((4, 8), (256, 512, 1024), (4, 8), (1, 3))]
-FP8_GEMV_TILES += [(16, bn, 128, w, 3) for bn, w in itertools.product((64, 128), (4, 8))]
-FP8_DOT_TILES = [(16, bn, bk, 4, s) for bn, bk, s in itertools.product((16, 32, 64), (64, 128), (3, 4))]
+FP8_GEMV_TILES = [(1, bn, bk, w, s) for bn, bk, w, s in itertools.product((4, 8, 16, 32, 64), (256, 512, 1024),
+                                                                         (4, 8), (1, 2, 3)) if bn * bk <= 32768]
+FP8_DOT_TILES = [(16, bn, bk, w, s) for bn, bk, w, s in itertools.product((16, 32, 64, 128), (64, 128), (4, 8),
+                                                                         (2, 3, 4, 5)) if bn * bk <= 16384]
+# add_rms_norm_linear_fp8 at M = 1: the whole row one tile (BK = K), or the K-looped form (BK < K)
+FP8_NORM_TILES = [(1, bn, 2048, w, 1) for bn, w in itertools.product((1, 2, 4, 8), (4, 8))]
+FP8_NORM_TILES += [(1, bn, bk, w, s) for bn, bk, w, s in itertools.product((8, 16, 32, 64), (256, 512, 1024), (4, 8),
+                                                                         (1, 2, 3)) if bn * bk <= 32768]
 
 
 def copy_bandwidth(dev) -> float:
@@ -121,12 +126,50 @@ def bench_norm(args, dev, bw) -> dict:
     return {"rows": rows, "best_norm_row_tile": {"tile": list(best), "us_per_step": round(totals[best], 2)}}
 
 
+def bench_fp8_norm(args, dev, bw) -> dict:
+    """--fp8 --norm: add_rms_norm_linear_fp8 at M = 1 per tile against the pair it replaces (the add_rms_norm
+    kernel, then the FP8 GEMV at its tile), on the FP8 projections that read a layer's input norm."""
+    from onegraph.custom_ops.triton import linear_fp8 as lin8
+    from onegraph.custom_ops.triton.norms import add_rms_norm_triton
+    rows, totals = [], {}
+    for name, N, K, uses in FP8_SHAPES[:2]:
+        copies = max(2, min(20, (800 << 20) // (N * K)))
+        ws = [(torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 2).to(torch.float8_e4m3fn) for _ in range(copies)]
+        scale = torch.rand(-(-N // 128), -(-K // 128), device=dev) * 2.0 ** -6
+        x, res = (torch.randn(1, K, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        nw = torch.randn(K, device=dev, dtype=torch.bfloat16) * 0.1
+        row = {"M": 1, "name": name, "N": N, "K": K, "MB": round(N * K / 1e6, 1)}
+        pair = lambda a, w: lin8.matmul(add_rms_norm_triton(a, res, nw, 1e-6)[0], w, scale)     # noqa: E731
+        row["pair_us"] = round(time_calls(pair, ws, x, args.reps), 2)
+        row["current_tile"] = list(lin8.norm_tile(K))
+        row["current_us"] = round(time_calls(lambda a, w: lin8.matmul(a, w, scale, norm=(res, nw, 1e-6)),
+                                             ws, x, args.reps), 2)
+        per = {}
+        for cfg in FP8_NORM_TILES:
+            try:
+                per[cfg] = time_calls(lambda a, w: lin8.matmul(a, w, scale, cfg, norm=(res, nw, 1e-6)), ws, x, args.reps)
+            except Exception as e:                          # a tile that does not compile: not a candidate
+                per[cfg] = float("inf")
+                row.setdefault("failed_tiles", []).append(f"{cfg}: {type(e).__name__}")
+            totals[cfg] = totals.get(cfg, 0.0) + per[cfg] * uses
+        best = min(per, key=per.get)
+        row["tiles_us"] = {",".join(map(str, c)): round(u, 2) for c, u in sorted(per.items(), key=lambda cu: cu[1])}
+        row["best_tile"], row["best_us"] = list(best), round(per[best], 2)
+        row["best_bw"] = round(N * K / (per[best] * 1e-6) / bw, 3)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "tiles_us"}), flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    best = min(totals, key=totals.get)
+    return {"rows": rows, "best_fp8_norm_tile": {"tile": list(best), "us_per_step": round(totals[best], 2)}}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,8", help="comma-separated M values")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--fp8", action="store_true", help="the block-FP8 projection kernel instead of the bf16 GEMV")
-    ap.add_argument("--norm", action="store_true", help="add_rms_norm_linear's one-row form (module docstring); bf16 weights only, --fp8 is not read")
+    ap.add_argument("--norm", action="store_true", help="add_rms_norm_linear's one-row form (module docstring); with --fp8 add_rms_norm_linear_fp8's")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -140,7 +183,7 @@ def main(argv=None) -> int:
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_GBps": round(bw / 1e9, 1),
            "rows": []}
     if args.norm:
-        res.update(bench_norm(args, dev, bw))
+        res.update(bench_fp8_norm(args, dev, bw) if args.fp8 else bench_norm(args, dev, bw))
         with open(args.out, "w") as f:
             json.dump(res, f, indent=2)
         return 0
@@ -178,6 +221,9 @@ def main(argv=None) -> int:
             row["best_bw"] = round(nbytes / (per[best] * 1e-6) / bw, 3)
             row["current_tile"] = list(cur)
             row["current_us"] = round(per.get(cur, time_calls(lambda a, w: run(a, w), ws, x, args.reps)), 2)
+            if args.fp8 and M == 1:                              # the GEMV scaling each weight, not x's tile
+                row["scale_per_weight_us"] = round(time_calls(lambda a, w: lin8.matmul(a, w, scale, cur, xs=False),
+                                                              ws, x, args.reps), 2)
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
             del ws

@@ -4,11 +4,10 @@ Weight-only FP8: x stays in the model dtype, w [N, K] is read as e4m3 (half the 
 bandwidth bound) and each value is upcast and scaled in registers, never written back dequantized.
 One kernel, grid (cdiv(N, BN), cdiv(M, BM)); program (n, m) reads rows [n*BN, (n+1)*BN) of w once for
 BM rows of x:
-- M == 1 (GEMV): fp32 FMA of the dequantized tile fp32(q) * s (the reference's very weight values) into a
+- M == 1 (GEMV): fp32 FMA of fp32(q) with x's tile times its block scales, x[k] * s[k // 128], into a
   [BN, BK] accumulator, one reduction at the end. BN divides 128, so a program's rows lie in one block row
-  and a K tile needs one scale per 128 columns (BK may span blocks). Gathering a scale per weight element
-  instead (the first version) read 4 bytes of scale per byte of weight from L1 and ran the 35B FP8
-  projections at 19 us each, a fifth of the bandwidth (H200).
+  and a K tile needs one scale per 128 columns (BK may span blocks), applied to the [BK] x tile once rather
+  than to each of the [BN, BK] weights: x . (q * s) and (x * s) . q differ only by fp32 rounding.
 - M > 1: tl.dot of x [BM, BK] with the raw e4m3 tile upcast to x.dtype — exact: every e4m3 value is a bf16
   (and an fp16) value — accumulated in fp32 per BK-tile, then scaled by that tile's block scale
   (BK divides 128, so one scale per row of the tile) and added: the reference up to fp32 summation and
@@ -31,7 +30,7 @@ from torch.library import triton_op
 from .. import _registry
 from ..linear_fp8 import BLOCK, _validate
 from ._common import INTERPRETED, launch, mma, to_dt
-from .linear import _normed_row
+from .linear import _h_tile, _normed_row
 
 GEMV_MAX_M = 16
 
@@ -48,14 +47,37 @@ def _fp8_kernel(x, w, s, y, M, N, s_x_m, s_w_n, s_s_n, s_y_m, res, nw, normed, h
     rn = pid_n * BN + tl.arange(0, BN)
     mn = rn < N
     rn64 = rn.to(tl.int64)                           # w offsets pass 2**31 for the vocab-sized projections
-    if REGS:
+    if REGS and BK < K:
+        # the normed row made per K tile: a pass for the sum of squares of h = x + res (L2 reads), then the
+        # GEMV loop rounds each tile of the normed row as add_rms_norm does and folds the block scale into it
+        srow0 = (pid_n * BN // SB) * s_s_n
+        ss = tl.zeros([BK], tl.float32)
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            hv = _h_tile(x, res, rk, rk < K, DT)
+            ss += hv * hv
+        inv = tl.rsqrt(tl.sum(ss, axis=0) / K + tl.cast(eps, tl.float32))
+        acc = tl.zeros([BN, BK], tl.float32)
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            mk = rk < K
+            wt = tl.load(w + rn64[:, None] * s_w_n + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+            hv = _h_tile(x, res, rk, mk, DT)
+            row = to_dt(hv * inv * (1.0 + tl.load(nw + rk, mask=mk, other=0.0).to(tl.float32)), DT)
+            if pid_n == 0:
+                tl.store(normed + rk, row, mask=mk)
+                tl.store(hout + rk, to_dt(hv, DT), mask=mk)
+            xs = row.to(tl.float32) * tl.load(s + srow0 + rk // SB, mask=mk, other=0.0)
+            acc += wt.to(tl.float32) * xs[None, :]
+        tl.store(y + rn, to_dt(tl.sum(acc, axis=1), DT), mask=mn)
+    elif REGS:
         row = _normed_row(x, res, nw, normed, hout, eps, pid_n, K, BK, DT)                      # [BK]
         pk = tl.arange(0, BK)
         mk = pk < K
         srow0 = (pid_n * BN // SB) * s_s_n           # BN divides SB: one row of the scale table (GEMV below)
         wt = tl.load(w + rn64[:, None] * s_w_n + pk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
-        st = tl.load(s + srow0 + pk // SB, mask=mk, other=0.0)
-        acc = (wt.to(tl.float32) * st[None, :]) * row.to(tl.float32)[None, :]
+        xs = row.to(tl.float32) * tl.load(s + srow0 + pk // SB, mask=mk, other=0.0)
+        acc = wt.to(tl.float32) * xs[None, :]
         tl.store(y + rn, to_dt(tl.sum(acc, axis=1), DT), mask=mn)
     elif DOT:
         srow = (rn // SB) * s_s_n                    # [BN] each row's block row in the scale table
@@ -72,8 +94,8 @@ def _fp8_kernel(x, w, s, y, M, N, s_x_m, s_w_n, s_s_n, s_y_m, res, nw, normed, h
             acc += part * st[None, :]
         tl.store(y + rm[:, None] * s_y_m + rn[None, :], to_dt(acc, DT), mask=mm[:, None] & mn[None, :])
     else:
-        # BN divides SB (tile()): the program's rows share one row of the scale table, so a K tile needs
-        # one scale per SB columns ([BK] from a 1-2 element L1 line), not one per weight element
+        # BN divides SB (tile()): the program's rows share one row of the scale table, so the K tile's scales
+        # are one [BK] vector (a 1-2 element L1 line), folded into x's tile: one convert and one FMA per weight
         srow0 = (pid_n * BN // SB) * s_s_n
         acc = tl.zeros([BN, BK], tl.float32)
         for k0 in range(0, K, BK):
@@ -81,20 +103,19 @@ def _fp8_kernel(x, w, s, y, M, N, s_x_m, s_w_n, s_s_n, s_y_m, res, nw, normed, h
             mk = rk < K
             xv = tl.load(x + rk, mask=mk, other=0.0).to(tl.float32)
             wt = tl.load(w + rn64[:, None] * s_w_n + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
-            st = tl.load(s + srow0 + rk // SB, mask=mk, other=0.0)                           # [BK]
-            acc += (wt.to(tl.float32) * st[None, :]) * xv[None, :]
+            xs = xv * tl.load(s + srow0 + rk // SB, mask=mk, other=0.0)                      # [BK]
+            acc += wt.to(tl.float32) * xs[None, :]
         tl.store(y + rn, to_dt(tl.sum(acc, axis=1), DT), mask=mn)
 
 
 # (BM, BN, BK, num_warps, num_stages) by M class: 1 (GEMV), 2..GEMV_MAX_M (dot, 16 rows), above (prefill),
 # and K for the GEMV. GEMV tiles: the least time per 35B decode step over the FP8 projections of that K,
-# `python -m onegraph.tools.bench_linear --fp8 --rows 1` on the H200 (benchmarks/h200_linear_fp8_gemv.json):
-# the fused GDN [qkv; z] (25.2 MB) in 11.1 us, attention [q; k; v] (18.9 MB) 9.8 (9.5 with its own best tile),
-# out/o_proj (8.4 MB, K = 4096) 6.0 — 33-54 % of copy bandwidth, where the first tiles (one scale per element)
-# took 17-19 us. The limit is not the bytes: every weight element is converted e4m3 -> fp32 (16 conversions per
-# clock per SM on sm_90).
-TILES = {("one", 2048): (1, 8, 1024, 4, 1), ("one", 4096): (1, 4, 1024, 4, 1),
-         "one": (1, 8, 1024, 4, 1), "few": (16, 32, 128, 4, 4), "many": (64, 64, 128, 4, 3)}
+# `python -m onegraph.tools.bench_linear --fp8 --rows 1,4,16` on the H200 (benchmarks/h200_linear_fp8.json, one CUDA
+# graph over distinct weight copies): the GDN [qkv; z] (25.2 MB) in 8.98 us (67 % of copy bandwidth), attention
+# [q; k; v] (18.9 MB) 8.14, out/o_proj (8.4 MB, K = 4096) 5.23. Rows per program matter most: 4-8 rows (the
+# earlier tile set) read the GDN run in 10.0 us at best; scaling each weight instead of x's tile, 11.15.
+TILES = {("one", 2048): (1, 32, 256, 8, 2), ("one", 4096): (1, 4, 1024, 4, 1),
+         "one": (1, 32, 256, 8, 2), "few": (16, 32, 128, 4, 4), "many": (64, 64, 128, 4, 3)}
 
 
 def tile(M: int, K: int) -> tuple[int, int, int, int, int]:
@@ -104,9 +125,17 @@ def tile(M: int, K: int) -> tuple[int, int, int, int, int]:
     return bm, bn, max(floor, min(bk, triton.next_power_of_2(K))), warps, stages
 
 
-# add_rms_norm_linear_fp8 at M = 1 (REGS): (BN, warps), BK the whole row; BN divides 128. A starting point
-# (32 weights a thread at K = 2048, as linear.py's NORM_ROW_TILE); not yet measured.
-NORM_ROW_TILE = (4, 8)
+# add_rms_norm_linear_fp8 at M = 1 (REGS): (BN, BK, warps, stages), BN dividing 128. BK < K: the K-looped form
+# (a sum-of-squares pass over x + res, then the GEMV loop making each tile of the normed row). The least time per
+# 35B step over the GDN [qkv; z] (x30) and attention [q; k; v] (x10) folds, `python -m onegraph.tools.bench_linear
+# --fp8 --norm --rows 1` on the H200 (benchmarks/h200_linear_fp8_norm.json): 10.96 / 10.6 us against 11.19 / 10.58
+# for the norm kernel + the GEMV, and 16.5 / 13.1 for the whole row in registers at 4 rows a program.
+NORM_ROW_TILE = (16, 256, 4, 2)
+
+
+def norm_tile(K: int) -> tuple[int, int, int, int, int]:
+    bn, bk, warps, stages = NORM_ROW_TILE
+    return 1, bn, min(bk, triton.next_power_of_2(K)), warps, stages
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
@@ -124,10 +153,10 @@ def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
             raise ValueError(f"linear_fp8: the norm-row form takes one row, got {M}")
         res, nw, eps = norm[0].contiguous(), norm[1], norm[2]
         normed, h = torch.empty_like(x), torch.empty_like(x)
-        bn, warps = NORM_ROW_TILE
+        _, bn, bk, warps, stages = cfg or norm_tile(K)
         launch(_fp8_kernel, (triton.cdiv(N, bn), 1), x, w, scale, y, M, N, x.stride(0), w.stride(0), scale.stride(0),
-               y.stride(0), res, nw, normed, h, eps, K=K, SB=BLOCK, BM=1, BN=bn, BK=triton.next_power_of_2(K),
-               DOT=False, DOT_F32=INTERPRETED, REGS=True, num_warps=warps, num_stages=1)
+               y.stride(0), res, nw, normed, h, eps, K=K, SB=BLOCK, BM=1, BN=bn, BK=min(bk, triton.next_power_of_2(K)),
+               DOT=False, DOT_F32=INTERPRETED, REGS=True, num_warps=warps, num_stages=stages)
         return y, normed, h
     bm, bn, bk, warps, stages = cfg or tile(M, K)
     dot = bm > 1                                     # benchmarks may run the dot tiles at M = 1
