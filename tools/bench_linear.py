@@ -41,6 +41,8 @@ FP8_GEMV_TILES = [(1, bn, bk, w, s) for bn, bk, w, s in itertools.product((4, 8,
                                                                          (4, 8), (1, 2, 3)) if bn * bk <= 32768]
 FP8_DOT_TILES = [(16, bn, bk, w, s) for bn, bk, w, s in itertools.product((16, 32, 64, 128), (64, 128), (4, 8),
                                                                          (2, 3, 4, 5)) if bn * bk <= 16384]
+FP8_MANY_TILES = [(bm, bn, bk, w, s) for bm, bn, bk, w, s in itertools.product((16, 32, 64), (32, 64, 128), (64, 128),
+                                                                               (4, 8), (4,)) if bn * bk <= 8192]
 # add_rms_norm_linear_fp8 at M = 1: the whole row one tile (BK = K), or the K-looped form (BK < K)
 FP8_NORM_TILES = [(1, bn, 2048, w, 1) for bn, w in itertools.product((1, 2, 4, 8), (4, 8))]
 FP8_NORM_TILES += [(1, bn, bk, w, s) for bn, bk, w, s in itertools.product((8, 16, 32, 64), (256, 512, 1024), (4, 8),
@@ -201,7 +203,8 @@ def main(argv=None) -> int:
                 scale = torch.rand(-(-N // 128), -(-K // 128), device=dev) * 2.0 ** -6
                 ws = [(w * 64).to(torch.float8_e4m3fn) for w in ws]
                 run = lambda a, w, cfg=None: lin8.matmul(a, w, scale, cfg)   # noqa: E731
-                tiles, cur = (FP8_GEMV_TILES if M == 1 else FP8_DOT_TILES), lin8.tile(M, K)
+                tiles = FP8_GEMV_TILES if M == 1 else FP8_DOT_TILES if M <= lin8.GEMV_MAX_M else FP8_MANY_TILES
+                cur = lin8.tile(M, K)
             else:
                 run = lambda a, w, cfg=None: lin.gemv(a, w, cfg)   # noqa: E731
                 tiles, cur = (GEMV_TILES if M == 1 else DOT_TILES), lin.tile(M, K)
@@ -213,8 +216,8 @@ def main(argv=None) -> int:
                     per[cfg] = float("inf")
                     row.setdefault("failed_tiles", []).append(f"{cfg}: {type(e).__name__}")
                 if uses:                                        # µs per decode step of this class
-                    totals.setdefault((M == 1, K), {}).setdefault(cfg, 0.0)
-                    totals[(M == 1, K)][cfg] += per[cfg] * uses
+                    totals.setdefault((M, K), {}).setdefault(cfg, 0.0)
+                    totals[(M, K)][cfg] += per[cfg] * uses
             best = min(per, key=per.get)
             row["tiles_us"] = {",".join(map(str, c)): round(u, 2) for c, u in sorted(per.items(), key=lambda cu: cu[1])}
             row["best_tile"], row["best_us"] = list(best), round(per[best], 2)
@@ -228,9 +231,8 @@ def main(argv=None) -> int:
             print(json.dumps(row), flush=True)
             del ws
             torch.cuda.empty_cache()
-    res["best_tile_per_class"] = {f"M==1:{one} K={K}": {"tile": list(min(t, key=t.get)),
-                                                        "total_us": round(min(t.values()), 2)}
-                                  for (one, K), t in totals.items()}
+    res["best_tile_per_class"] = {f"M={M} K={K}": {"tile": list(min(t, key=t.get)), "total_us": round(min(t.values()), 2)}
+                                  for (M, K), t in totals.items()}
     print(json.dumps(res["best_tile_per_class"], indent=1))
     with open(args.out, "w") as f:
         json.dump(res, f, indent=2)

@@ -5,7 +5,7 @@ e4m3 weight tiles.
 
 Per K step a [BK, BN] e4m3 weight tile is upcast to x.dtype (exact: every e4m3 value is a bf16, fp16 and fp32
 value) and multiplied on the tensor cores into a fresh fp32 partial, which is scaled by the tile's one block
-scale and added to the accumulator: BN and BK are powers of two <= 64, so a tile lies in one 128x128 block.
+scale and added to the accumulator: BN and BK are powers of two <= 128 (TILES), so a tile lies in one 128x128 block.
 That is the reference's fp32 weight values fp32(q) * s up to fp32 summation order (linear_fp8's prefill rule),
 without writing a dequantized copy of the experts; the roundings to x.dtype are fused_moe_prefill's.
 Scale tables: gate_up_scale [E, 2*ceil(I/128), ceil(H/128)] (up rows' block rows start at ceil(I/128));
@@ -106,33 +106,45 @@ def _strides2(t: torch.Tensor):
     return t.stride()[:2] if t.dim() == 3 else (0, t.stride(0))
 
 
+# (BN cap, BK cap, warps, stages) of the grouped SwiGLU and down kernels; the caps divide 128, so a weight tile
+# lies in one 128x128 block (one scale). At the 35B shape, 64 tokens (222 distinct experts), one call per weight
+# copy in a replayed CUDA graph (`python -m onegraph.tools.bench_moe_fp8 --batches 64 --copies 6`,
+# benchmarks/h200_moe_fp8_b64.json): SwiGLU (32, 128) 291 us a call against 347 at fused_moe_prefill's (64, 64);
+# no down tile of 20 beat (64, 64) by more than 2 %.
+TILES = {"swiglu": (32, 128, 4, 3), "down": (BN_MAX, BK_MAX, 4, 3)}
+
+
 def _grouped_swiglu(x, table, wg, wu, sg, su, u0, ub0, N, topk):
     src, blk_e, blk_row, blk_end, BM = table
     R, H = src.shape[0], x.shape[1]
     act = torch.empty((R, N), dtype=x.dtype, device=x.device)
-    BN, BK = _tile(N, BN_MAX), _tile(H, BK_MAX)
+    bn, bk, warps, stages = TILES["swiglu"]
+    BN, BK = _tile(N, bn), _tile(H, bk)
     launch(_grouped_swiglu_fp8_kernel, (blk_e.shape[0], triton.cdiv(N, BN)),
            x, src, blk_e, blk_row, blk_end, wg, wu, sg, su, act,
            *x.stride(), *_strides3(wg), *_strides3(wu), *_strides2(sg), *_strides2(su), u0, ub0,
-           H=H, N=N, TOPK=topk, SB=BLOCK, BM=BM, BN=BN, BK=BK, DOT_F32=INTERPRETED, num_warps=4)
+           H=H, N=N, TOPK=topk, SB=BLOCK, BM=BM, BN=BN, BK=BK, DOT_F32=INTERPRETED, num_warps=warps,
+           num_stages=stages)
     return act
 
 
 def _grouped_down(act, table, wd, sd, wts, out):
     src, *blocks, BM = table
     K, H = act.shape[1], out.shape[1]
-    BN, BK = _tile(H, BN_MAX), _tile(K, BK_MAX)
+    bn, bk, warps, stages = TILES["down"]
+    BN, BK = _tile(H, bn), _tile(K, bk)
     launch(_grouped_down_fp8_kernel, (blocks[0].shape[0], triton.cdiv(H, BN)),
            act, src, wts if wts is not None else act, *blocks, wd, sd, out, *_strides3(wd), *_strides2(sd),
-           K=K, H=H, HAS_W=wts is not None, SB=BLOCK, BM=BM, BN=BN, BK=BK, DOT_F32=INTERPRETED, num_warps=4)
+           K=K, H=H, HAS_W=wts is not None, SB=BLOCK, BM=BM, BN=BN, BK=BK, DOT_F32=INTERPRETED, num_warps=warps,
+           num_stages=stages)
 
 
 def fused_moe_fp8_prefill(x, w, idx, gate_up, gate_up_scale, down, down_scale, shared_gate, shared_gate_scale,
                           shared_up, shared_up_scale, shared_down, shared_down_scale, logits, out_dtype=None):
     """x [T, H], w [T, k] x.dtype, idx [T, k] int64 (the routing), the op's FP8 weights and scales, logits
     [T, E + 1] -> y [T, H] in out_dtype (None: x.dtype)."""
-    if BLOCK % BN_MAX or BLOCK % BK_MAX:
-        raise ValueError(f"fused_moe_fp8 prefill: tiles must divide {BLOCK}, got BN {BN_MAX} and BK {BK_MAX}")
+    if any(BLOCK % c for t in TILES.values() for c in t[:2]):
+        raise ValueError(f"fused_moe_fp8 prefill: tiles must divide {BLOCK}, got {TILES}")
     out_dtype = out_dtype or x.dtype
     T, H = x.shape
     k = idx.shape[1]

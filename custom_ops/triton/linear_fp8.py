@@ -114,12 +114,19 @@ def _fp8_kernel(x, w, s, y, M, N, s_x_m, s_w_n, s_s_n, s_y_m, res, nw, normed, h
 # graph over distinct weight copies): the GDN [qkv; z] (25.2 MB) in 8.98 us (67 % of copy bandwidth), attention
 # [q; k; v] (18.9 MB) 8.14, out/o_proj (8.4 MB, K = 4096) 5.23. Rows per program matter most: 4-8 rows (the
 # earlier tile set) read the GDN run in 10.0 us at best; scaling each weight instead of x's tile, 11.15.
+# "batch" (decode buckets above GEMV_MAX_M rows, up to BATCH_MAX_M), `bench_linear --fp8 --rows 64`
+# (benchmarks/h200_linear_fp8_m64.json): [qkv; z] 21.8 us against 24.5 at the prefill tile, out/o_proj 17.3 against
+# 35.4 (the prefill tile's 64-row programs leave out_proj's 2048 rows 32 programs). Still below cuBLAS on the bf16
+# weights (15.5 / 10.1 us): the e4m3 tiles are upcast for bf16 tensor cores.
 TILES = {("one", 2048): (1, 32, 256, 8, 2), ("one", 4096): (1, 4, 1024, 4, 1),
-         "one": (1, 32, 256, 8, 2), "few": (16, 32, 128, 4, 4), "many": (64, 64, 128, 4, 3)}
+         "one": (1, 32, 256, 8, 2), "few": (16, 32, 128, 4, 4),
+         ("batch", 2048): (64, 32, 64, 4, 4), ("batch", 4096): (16, 32, 128, 4, 4),
+         "batch": (64, 32, 64, 4, 4), "many": (64, 64, 128, 4, 3)}
+BATCH_MAX_M = 128
 
 
 def tile(M: int, K: int) -> tuple[int, int, int, int, int]:
-    cls = "one" if bool(M == 1) else "few" if M <= GEMV_MAX_M else "many"
+    cls = "one" if bool(M == 1) else "few" if M <= GEMV_MAX_M else "batch" if M <= BATCH_MAX_M else "many"
     bm, bn, bk, warps, stages = TILES.get((cls, K), TILES[cls])
     floor = 1 if cls == "one" else 16                # tl.dot needs K-tiles of 16 at least
     return bm, bn, max(floor, min(bk, triton.next_power_of_2(K))), warps, stages
