@@ -109,7 +109,8 @@ def cmd_export(args) -> int:
                          max_seq_len=args.max_seq_len, tp=args.tp, kernels=args.kernels,
                          eager_rounding=not args.fused_rounding, fp32_reduce=args.fp32_reduce,
                          allow_unused_weights=args.allow_unused_weights, quant=args.quant,
-                         speculative_tokens=spec_tokens(args.speculative_tokens), weights=args.weights)
+                         speculative_tokens=spec_tokens(args.speculative_tokens), weights=args.weights,
+                         fp8_lm_head=args.fp8_lm_head)
     from onegraph.export.staging import ExportInterrupted
     from onegraph.export.workers import LoweringError
     try:
@@ -169,7 +170,7 @@ def memory_text(path: Path) -> str:
 def cmd_eval(args) -> int:
     from onegraph.tools.eval import evaluate
     res = evaluate(args.model, args.text, args.max_tokens, args.ctx, args.batch, args.dtype, args.device,
-                   progress=True, quant=args.quant)
+                   progress=True, quant=args.quant, fp8_lm_head=args.fp8_lm_head)
     if args.json:
         print(json.dumps(res))
     else:
@@ -372,6 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "block scales, weight-only), int8 (W8A8: per-channel int8 weights, int8 activations per "
                         "token) or fp8-channel (W8A8 e4m3, per-channel / per-token): a float checkpoint is "
                         "quantized, one of that scheme kept as it is, another refused; recorded in the manifest")
+    p.add_argument("--fp8-lm-head", action="store_true",
+                   help="the output projection as block FP8 too (e4m3, 128x128 scales; default: float, as the official "
+                        "FP8 format keeps it): half its bytes at decode, for a measured bits-per-byte cost "
+                        "(docs/benchmarks.md); --backend aoti, --tp 1; recorded in the manifest")
     p.add_argument("--speculative-tokens", type=int, default=None, metavar="K",
                    help="also export speculative graphs: the checkpoint's MTP head drafts K (1..4) tokens per round, "
                         "verified by the model in one pass (a checkpoint with mtp.* weights; --backend aoti, --tp 1)")

@@ -72,6 +72,7 @@ class ExportOptions:
     quant: str = "auto"                        # dense projections' weights (graphs/quant.py): auto (the checkpoint's;
                                                # resolved before export) | none (model dtype) | fp8 | int8 | fp8-channel
     speculative_tokens: int = 0                # > 0: MTP draft + verify graphs of k drafts (graphs/spec_graphs.py)
+    fp8_lm_head: bool = False                  # the output projection as block FP8 too (graphs/quant.py quantize_lm_head)
     weights: str = "copy"                      # copy: weights.safetensors in the artifact | reference: the checkpoint's
                                                # files by path + sha256, made into the weights at load (graphs/recipe.py)
 
@@ -110,6 +111,9 @@ class ExportOptions:
         if self.quant not in ("auto", "none") and (self.backend != "aoti" or self.tp > 1):
             raise ValueError(f"--quant {self.quant} needs --backend aoti and --tp 1 (quantized weights are neither "
                              f"lowered to ONNX nor sharded yet; --quant none dequantizes a quantized checkpoint)")
+        if self.fp8_lm_head and (self.backend != "aoti" or self.tp > 1):
+            raise ValueError("--fp8-lm-head needs --backend aoti and --tp 1 (quantized weights are neither lowered to "
+                             "ONNX nor sharded yet)")
         if self.speculative_tokens:
             from onegraph.graphs.spec import MAX_SPECULATIVE_TOKENS as kmax
             if not 1 <= self.speculative_tokens <= kmax:
@@ -248,7 +252,7 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
     # the cache key's toolchain, and on CPU Inductor's vector-ISA probes, while the model loads and traces
     warm = warm_toolchain(dev.type) if opts.backend == "aoti" else None
     # the options that decide the weights: a referencing artifact records them and the runtime repeats this path
-    recipe = recipe_of(opts.dtype, opts.quant, opts.fp32_reduce, opts.allow_unused_weights, k > 0, tp)
+    recipe = recipe_of(opts.dtype, opts.quant, opts.fp32_reduce, opts.allow_unused_weights, k > 0, tp, opts.fp8_lm_head)
     cfg, model, src = load_tp1(model_spec, recipe, dev)
     ranks = shard(model, opts)
     fuse_projections(model)          # the TP-1 eager model records the fixture: the same projections
@@ -445,7 +449,8 @@ def inspect(path: str | Path) -> str:
              f"hidden={m['model']['hidden_size']} vocab={m['model']['vocab_size']}",
              f"options: {m['options']}", f"versions: {m['versions']}", f"ops: {m['ops']}"]
     q = m["options"].get("quant", "none")
-    lines.insert(2, f"quantization: {SCHEMES[q].describe if q in SCHEMES else q}")
+    lines.insert(2, f"quantization: {SCHEMES[q].describe if q in SCHEMES else q}"
+                    + ("; lm_head block fp8" if m["options"].get("fp8_lm_head") else ""))
     ref = m.get("weights_reference")
     if ref is None:
         lines.insert(3, f"weights: copied ({m['weights']})")

@@ -110,7 +110,7 @@ def describe_checkpoint(spec: str | Path) -> tuple[str, LoadError | None]:
 
 def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
                tp: int = 1, rank: int = 0, group=None, fp32_reduce: bool = False, allow_unused: bool = False,
-               fuse: bool = True, mtp: bool = False, quant: str | None = None):
+               fuse: bool = True, mtp: bool = False, quant: str | None = None, fp8_lm_head: bool = False):
     """-> (cfg, model, checkpoint dir). tp > 1: rank `rank`'s shard (graphs/tp.py), whose collectives
     run over `group` (None: the default process group). fp32_reduce: Qwen35Model's option.
     fuse: concatenate the same-input projections (graphs/fuse.py) after sharding; False only for a
@@ -123,7 +123,8 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: s
     FP8 / compressed-tensors checkpoint's quantized projections stay quantized, its other quantized weights
     are dequantized); "none": every weight in `dtype` (a quantized checkpoint dequantized); "fp8" | "int8" |
     "fp8-channel": a float checkpoint's projections are quantized so, a checkpoint of that scheme kept as it
-    is, a checkpoint quantized otherwise refused (quant.resolve)."""
+    is, a checkpoint quantized otherwise refused (quant.resolve).
+    fp8_lm_head: the output projection as block FP8 too (graphs/quant.py quantize_lm_head; tp 1 only)."""
     path = model_dir(spec)
     cfg = read_config(path)
     method = quant_method(path)
@@ -133,9 +134,9 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: s
         raise LoadError(str(e)) from None
     if tp != 1:
         check_divisible(cfg, tp)                     # fail before reading any weights
-        if scheme:
-            raise ValueError(f"quantized weights ({scheme}) with tp > 1 are not supported yet (the head split does "
-                             f"not follow the scales); load with quant='none' (dequantized) or tp=1")
+        if scheme or fp8_lm_head:
+            raise ValueError(f"quantized weights ({scheme or 'fp8 lm_head'}) with tp > 1 are not supported yet (the "
+                             f"head split does not follow the scales); load with quant='none' (dequantized) or tp=1")
     model = meta_model(cfg, fp32_reduce)
     if mtp:
         attach_mtp(model, path, tp)
@@ -154,6 +155,8 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: s
         n = quantfmt.quantize_model(model, scheme)
         quantfmt.log.info("quantized %d weights (projections; fp8: experts too): %s", n,
                           quantfmt.SCHEMES[scheme].describe)
+    if fp8_lm_head:
+        quantfmt.quantize_lm_head(model)
     if tp != 1:
         model = shard_model(model, rank, tp, group)
     if fuse:

@@ -23,7 +23,8 @@ Which modules are FP8 in an artifact:
 - `--quant fp8` on a float checkpoint: the FP8_MODULE projections except KEEP_FLOAT, and every MoE layer's
   routed experts (gate and up rows quantized apart, as a checkpoint stores them) and shared expert,
   quantized here.
-  Kept float, as the official format keeps them: embeddings and lm_head (vocab-sized, the logits' scale),
+  Kept float, as the official format keeps them: embeddings and lm_head (vocab-sized, the logits' scale;
+  `--fp8-lm-head` quantizes the head too: quantize_lm_head),
   norms (vectors), the router `mlp.gate` and `shared_expert_gate` (routing decisions flip on small
   changes), and the GDN `in_proj_a` / `in_proj_b` (32 rows each at 35B: a fraction of a block whose outputs
   feed the exp/softplus decay and the sigmoid beta of the recurrence, for 0.3 % of the bytes).
@@ -318,12 +319,27 @@ def quantize_model(model: torch.nn.Module, scheme: str = METHOD) -> int:
     for name, mod in model.named_modules():
         if not is_fp8_module(name) or KEEP_FLOAT.search(name) or mod.weight.dtype in QUANT_DTYPES:
             continue
-        q, s = quantize(mod.weight) if sch.block else quantize_channel(mod.weight, sch)
-        make_quantized(mod, sch)
-        mod.weight.data = q
-        getattr(mod, sch.scale).data = s
+        quantize_linear(mod, sch)
         n += 1
     return n
+
+
+@torch.no_grad()
+def quantize_linear(lin: torch.nn.Module, sch: Scheme) -> None:
+    """A loaded float `Linear` -> the scheme's weight and scale, quantized from its weight."""
+    q, s = quantize(lin.weight) if sch.block else quantize_channel(lin.weight, sch)
+    make_quantized(lin, sch)
+    lin.weight.data = q
+    getattr(lin, sch.scale).data = s
+
+
+def quantize_lm_head(model: torch.nn.Module) -> None:
+    """`--fp8-lm-head` (an export option the manifest records; off by default, as the official format keeps the
+    head float): the output projection [vocab, H] as block FP8, through onegraph::linear_fp8 — at batch 1 it is
+    the largest single read of a decode step (35B: 1.02 GB in bf16). A tied head (lm_head = embed_tokens) is
+    untied first: the embedding lookup keeps the float table, the head reads its own e4m3 copy."""
+    model.untie_head()
+    quantize_linear(model.lm_head, SCHEMES[METHOD])
 
 
 def resolve(checkpoint: str | None, requested: str | None) -> str | None:

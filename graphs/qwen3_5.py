@@ -363,6 +363,14 @@ class Qwen35Model(nn.Module):
     def lm_head_weight(self):
         return self.lm_head.weight if hasattr(self, "lm_head") else self.embed_tokens.weight
 
+    def untie_head(self) -> None:
+        """A tied model (lm_head = embed_tokens) gets an `lm_head` of its own holding a copy of the table, so the
+        head can take another weight format than the embedding (graphs/quant.py quantize_lm_head)."""
+        if not hasattr(self, "lm_head"):
+            w = self.embed_tokens.weight
+            self.lm_head = _linear(w.shape[1], w.shape[0]).to(device=w.device, dtype=w.dtype)
+            self.lm_head.weight.data.copy_(w.detach())
+
     def _group(self):
         import torch.distributed as dist
         return self.group if self.group is not None else dist.group.WORLD
@@ -391,7 +399,8 @@ class Qwen35Model(nn.Module):
         return x                                                            # final-normed [N, H]
 
     def _logits(self, x):
-        logits = ops.linear(x, self.lm_head_weight).float()                # [N, vocab / tp] fp32
+        # [N, vocab / tp] fp32; the head module (float or block FP8) where the model has one, else the tied table
+        logits = (self.lm_head(x) if hasattr(self, "lm_head") else ops.linear(x, self.embed_tokens.weight)).float()
         if self.tp == 1:
             return logits
         from torch.distributed import _functional_collectives as funcol

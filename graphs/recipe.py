@@ -25,20 +25,22 @@ from .load import load_model, shard_model
 from .weights import _files
 
 RECIPE = "onegraph.graphs.recipe v1"      # recorded; a runtime refuses a recipe it does not implement
-FIELDS = ("dtype", "quant", "fp32_reduce", "allow_unused", "mtp", "tp")
+FIELDS = ("dtype", "quant", "fp32_reduce", "allow_unused", "mtp", "tp", "fp8_lm_head")
 
 
-def recipe_of(dtype: str, quant: str, fp32_reduce: bool, allow_unused: bool, mtp: bool, tp: int) -> dict:
+def recipe_of(dtype: str, quant: str, fp32_reduce: bool, allow_unused: bool, mtp: bool, tp: int,
+              fp8_lm_head: bool = False) -> dict:
     """The options that decide the graph weights, as the manifest records them (quant: the resolved scheme)."""
     return {"recipe": RECIPE, "dtype": dtype, "quant": quant, "fp32_reduce": fp32_reduce,
-            "allow_unused": allow_unused, "mtp": mtp, "tp": tp}
+            "allow_unused": allow_unused, "mtp": mtp, "tp": tp, "fp8_lm_head": fp8_lm_head}
 
 
 def load_tp1(spec: str | Path, recipe: dict, device: str | torch.device = "cpu"):
     """-> (cfg, TP-1 model, checkpoint dir): the checkpoint loaded as the recipe says, projections not yet fused
     (a TP rank is sliced from the separate parts: graphs/fuse.py)."""
     return load_model(spec, recipe["dtype"], device, fp32_reduce=recipe["fp32_reduce"],
-                      allow_unused=recipe["allow_unused"], fuse=False, quant=recipe["quant"], mtp=recipe["mtp"])
+                      allow_unused=recipe["allow_unused"], fuse=False, quant=recipe["quant"], mtp=recipe["mtp"],
+                      fp8_lm_head=recipe.get("fp8_lm_head", False))
 
 
 def rank_model(model, rank: int, tp: int):

@@ -180,6 +180,30 @@ def test_export_time_quantization_is_the_official_format(tiny_eager):
     assert model.layers[0].mlp.router.weight.dtype == torch.float32                      # [gate; shared_expert_gate]
 
 
+def test_fp8_lm_head_is_the_block_quantized_head():
+    """load_model(fp8_lm_head=True) on tiny (tied embeddings): the head holds the test's own block quantization of
+    the table, the embedding lookup keeps the float table, and the logits are x times the dequantized head."""
+    model = load_model("tiny", "float32", fp8_lm_head=True)[1]
+    src = load_file(str(model_dir("tiny") / "model.safetensors"))
+    table = src["model.embed_tokens.weight"]
+    q, s = _quantize(src.get("lm_head.weight", table))
+    head = model.lm_head
+    assert torch.equal(head.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(head.weight_scale_inv, s)
+    assert torch.equal(model.embed_tokens.weight, table)
+    x = torch.randn(3, table.shape[1], generator=torch.Generator().manual_seed(0))
+    want = x.double() @ (q.double() * s.double().repeat_interleave(128, 0)[:q.shape[0]].repeat_interleave(128, 1)
+                         [:, :q.shape[1]]).T
+    assert torch.allclose(model._logits(x).double(), want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
+def test_fp8_lm_head_is_refused_where_it_does_not_apply():
+    from onegraph.export.pipeline import ExportOptions
+    with pytest.raises(ValueError, match=r"quantized weights \(fp8 lm_head\) with tp > 1"):
+        load_model("tiny", tp=2, fp8_lm_head=True)
+    with pytest.raises(ValueError, match="--fp8-lm-head needs --backend aoti and --tp 1"):
+        ExportOptions(backend="onnx", fp8_lm_head=True).validate(4096)
+
+
 @pytest.fixture(scope="module")
 def bad_dir(fp8_tensors, tmp_path_factory):
     return tmp_path_factory.mktemp("bad")
@@ -218,9 +242,10 @@ def test_fp8_with_tensor_parallel_is_refused(fp8_dir):
 
 
 def test_cli_export_quant_fp8_records_the_scheme_and_replays_its_eager_model(tmp_path, capsys):
-    """`onegraph export tiny --quant fp8`: FP8 weights in the artifact, the scheme in the manifest's options
-    and in `onegraph inspect`, the load-time fixture (recorded from the FP8 eager model) passes, and the
-    graphs call no Python op."""
+    """`onegraph export tiny --quant fp8 --fp8-lm-head`: FP8 weights (the head's too) in the artifact, the scheme
+    and the head option in the manifest's options and in `onegraph inspect`, the load-time fixture (recorded from
+    the FP8 eager model) passes, and the graphs call no Python op. (The float head of a `--quant fp8` export is the
+    float model's head, covered by every other artifact test, and on the GPU by the test below.)"""
     from safetensors import safe_open
 
     from onegraph import cli
@@ -228,21 +253,24 @@ def test_cli_export_quant_fp8_records_the_scheme_and_replays_its_eager_model(tmp
     from onegraph.runtime.executor import GraphExecutor
     out = tmp_path / "art"
     assert cli.main(["export", "tiny", "--out", str(out), "--batch-sizes", "1", "--prefill-chunks", "16",
-                     "--max-seq-len", "64", "--quant", "fp8", "--quiet", "--no-cache"]) == 0
+                     "--max-seq-len", "64", "--quant", "fp8", "--fp8-lm-head", "--quiet", "--no-cache"]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["options"]["quant"] == "fp8"
+    assert manifest["options"]["quant"] == "fp8" and manifest["options"]["fp8_lm_head"] is True
     with safe_open(str(out / "weights.safetensors"), "pt") as f:
         fp8 = [k for k in f.keys() if f.get_slice(k).get_dtype() == "F8_E4M3"]
-    assert "model.layers.3.self_attn.o_proj.weight" in fp8 and len(fp8) == 9 + 4 * 5, fp8     # + experts, shared
+    assert "model.layers.3.self_attn.o_proj.weight" in fp8 and "model.lm_head.weight" in fp8
+    assert len(fp8) == 9 + 4 * 5 + 1, fp8                                                  # + experts, shared, head
     capsys.readouterr()
     assert cli.main(["inspect", str(out)]) == 0
-    assert "'quant': 'fp8'" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "'quant': 'fp8'" in printed and "lm_head block fp8" in printed
     ex = GraphExecutor.from_artifact(out, max_slots=1)
     assert ex.fixture_report["max_logit_diff"] <= 1e-4 and not ex.fixture_report["routing_flips"]
     PYTHON_CALLS.clear()
     ids, _ = ex.generate(PROMPT, 8)
     assert sum(PYTHON_CALLS.values()) == 0, PYTHON_CALLS
-    assert ids == generate_eager(load_model("tiny", quant="fp8")[1], PROMPT, 8, max_seq_len=64).token_ids
+    assert ids == generate_eager(load_model("tiny", quant="fp8", fp8_lm_head=True)[1], PROMPT, 8,
+                                 max_seq_len=64).token_ids
 
 
 @pytest.mark.cuda

@@ -83,7 +83,7 @@ def score(ex, windows: list[list[int]], batch: int, progress: bool = False) -> t
 
 
 def executor(spec: str, ctx: int, batch: int | None, dtype: str | None, device: str | None,
-             quant: str | None = None):
+             quant: str | None = None, fp8_lm_head: bool = False):
     """-> (GraphExecutor, rows per step, tokenizer dir, mode, dtype name) for a model or an artifact."""
     from onegraph.runtime.executor import GraphExecutor
     if (Path(spec) / "manifest.json").is_file():
@@ -95,6 +95,9 @@ def executor(spec: str, ctx: int, batch: int | None, dtype: str | None, device: 
         if quant is not None:
             raise EvalError(f"--quant applies to a model; the artifact {spec} runs the weights it was exported with "
                             f"({m['options'].get('quant', 'none')})")
+        if fp8_lm_head:
+            raise EvalError(f"--fp8-lm-head applies to a model; the artifact {spec} runs the head it was exported with "
+                            f"({'fp8' if m['options'].get('fp8_lm_head') else 'float'})")
         if dtype is not None:
             raise EvalError(f"--dtype applies to a model; the artifact {spec} runs in the dtype it was exported with "
                             f"({m['dtype']})")
@@ -106,7 +109,7 @@ def executor(spec: str, ctx: int, batch: int | None, dtype: str | None, device: 
         return ex, rows, Path(spec), ex.path, m["dtype"]
     from onegraph.graphs.load import load_model
     dtype = dtype or "float32"
-    _, model, path = load_model(spec, dtype, device or "cpu", quant=quant)
+    _, model, path = load_model(spec, dtype, device or "cpu", quant=quant, fp8_lm_head=fp8_lm_head)
     rows = batch or EAGER_BATCH
     ex = GraphExecutor.from_model(model, {"decode": [rows], "prefill": [1]}, max_slots=rows, max_seq_len=ctx)
     return ex, rows, path, "eager", dtype
@@ -114,9 +117,9 @@ def executor(spec: str, ctx: int, batch: int | None, dtype: str | None, device: 
 
 def evaluate(spec: str, text: str | None = None, max_tokens: int | None = None, ctx: int = DEFAULT_CTX,
              batch: int | None = None, dtype: str | None = None, device: str | None = None,
-             progress: bool = False, quant: str | None = None) -> dict:
+             progress: bool = False, quant: str | None = None, fp8_lm_head: bool = False) -> dict:
     """-> {bits_per_byte, perplexity, tokens (scored), bytes, nll_nats, windows, ctx, mode, dtype, ...}.
-    quant: a model's projections' weights (load_model's; None: as the checkpoint)."""
+    quant: a model's projections' weights (load_model's; None: as the checkpoint); fp8_lm_head: its head too."""
     from tokenizers import Tokenizer
     if max_tokens is not None and max_tokens < 2:
         raise EvalError(f"--max-tokens must be >= 2, got {max_tokens}")
@@ -126,7 +129,7 @@ def evaluate(spec: str, text: str | None = None, max_tokens: int | None = None, 
     path = Path(text) if text else HELDOUT_TEXT
     if not path.is_file():
         raise EvalError(f"--text {path} is not a file")
-    ex, rows, tok_dir, mode, dtype = executor(spec, ctx, batch, dtype, device, quant)
+    ex, rows, tok_dir, mode, dtype = executor(spec, ctx, batch, dtype, device, quant, fp8_lm_head)
     if not (tok_dir / "tokenizer.json").is_file():
         raise EvalError(f"{tok_dir} has no tokenizer.json to encode the text with")
     ids, n_bytes = encode(Tokenizer.from_file(str(tok_dir / "tokenizer.json")),
@@ -138,7 +141,8 @@ def evaluate(spec: str, text: str | None = None, max_tokens: int | None = None, 
     nll, scored = score(ex, windows, rows, progress)
     return {"bits_per_byte": nll / math.log(2) / n_bytes, "perplexity": math.exp(nll / scored),
             "tokens": scored, "bytes": n_bytes, "nll_nats": nll, "windows": len(windows), "ctx": ctx,
-            "rows_per_step": rows, "mode": mode, "dtype": dtype, "quant": quant, "model": str(spec), "text": source,
+            "rows_per_step": rows, "mode": mode, "dtype": dtype, "quant": quant, "fp8_lm_head": fp8_lm_head,
+            "model": str(spec), "text": source,
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
@@ -154,4 +158,6 @@ def add_args(p) -> None:
     p.add_argument("--device", default=None, help="default: cpu eager, an artifact's export device")
     p.add_argument("--quant", default=None, choices=["none", "fp8", "int8", "fp8-channel"],
                    help="a model's projection weights (as `export --quant`; default: as the checkpoint)")
+    p.add_argument("--fp8-lm-head", action="store_true", help="a model's output projection as block FP8 too "
+                                                              "(as `export --fp8-lm-head`)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
