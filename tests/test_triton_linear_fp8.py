@@ -93,10 +93,10 @@ def test_reference_is_the_float64_dequantization():
 
 
 @pytest.mark.parametrize("M", [1, 4, 16, 64])
-@pytest.mark.parametrize("N,K", [(12352, 2048), (2048, 4096)], ids=["gdn_in_proj", "out_proj"])
+@pytest.mark.parametrize("N,K", [(12352, 2048), (2048, 4096), (248320, 2048)], ids=["gdn_in_proj", "out_proj", "lm_head"])
 def test_35b_shapes(M, N, K):
-    """The fused GDN in_proj (8192 + 4096 + 32 + 32 rows) and out_proj / o_proj shapes, bf16 activations;
-    prints the kernel's time and its weight bandwidth beside the bf16 GEMV's (informational)."""
+    """The fused GDN in_proj (8192 + 4096 + 32 + 32 rows), out_proj / o_proj and (`--fp8-lm-head`) lm_head shapes,
+    bf16 activations; prints the kernel's time and its weight bandwidth beside the bf16 GEMV's (informational)."""
     from onegraph.custom_ops.triton import linear as lin
     w, scale = _fp8_weight(N, K, seed=M)
     x = _x(M, K, torch.bfloat16, seed=M)
