@@ -167,7 +167,7 @@ def memory_text(path: Path) -> str:
 
 
 def cmd_eval(args) -> int:
-    from onegraph.tools.eval import evaluate
+    from onegraph.commands.eval import evaluate
     res = evaluate(args.model, args.text, args.max_tokens, args.ctx, args.batch, args.dtype, args.device,
                    progress=True, quant=args.quant)
     if args.json:
@@ -392,15 +392,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_export)
 
     p = sub.add_parser("bench", help="decode speed: replayed graphs vs eager (vs transformers), JSON out")
-    from onegraph.tools.bench import add_args as bench_args
+    from onegraph.commands.bench import add_args as bench_args
     bench_args(p)
-    p.set_defaults(fn=lambda a: __import__("onegraph.tools.bench", fromlist=["main"]).main(a))
+    p.set_defaults(fn=lambda a: __import__("onegraph.commands.bench", fromlist=["main"]).main(a))
 
     p = sub.add_parser("bench-serve", help="serving benchmark of any OpenAI-compatible server: streamed "
                        "requests at a concurrency or a Poisson rate; tok/s, TTFT, TPOT, ITL; JSON + PNG out")
-    from onegraph.tools.bench_serve import add_args as bench_serve_args
+    from onegraph.commands.bench_serve import add_args as bench_serve_args
     bench_serve_args(p)
-    p.set_defaults(fn=lambda a: __import__("onegraph.tools.bench_serve", fromlist=["main"]).main(a))
+    p.set_defaults(fn=lambda a: __import__("onegraph.commands.bench_serve", fromlist=["main"]).main(a))
 
     p = sub.add_parser("inspect", help="print an artifact's manifest summary and per-graph op counts, or a "
                        "checkpoint directory's config, tensor census and whether it loads")
@@ -408,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_inspect)
 
     p = sub.add_parser("eval", help="bits per byte and perplexity of a model or an artifact on a text (teacher-forced)")
-    from onegraph.tools.eval import add_args as eval_args
+    from onegraph.commands.eval import add_args as eval_args
     eval_args(p)
     p.set_defaults(fn=cmd_eval)
 

@@ -68,7 +68,7 @@ def example_inputs(spec: GraphSpec, device) -> tuple:
 
 
 def dynamic_shapes(spec: GraphSpec, batch: Dim | None = None):
-    """The slot dim S of the state is dynamic. batch (a decode graph only; tools/bench_symbolic_batch.py):
+    """The slot dim S of the state is dynamic. batch (a decode graph only; scripts/bench_symbolic_batch.py):
     the head inputs' batch dim B too, one graph for every B in the Dim's range instead of one per bucket."""
     S = Dim("S", min=2, max=1 << 16)
     if batch is not None and spec.kind != "decode":

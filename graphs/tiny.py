@@ -1,6 +1,6 @@
 """The builtin `tiny` model: a 4-layer Qwen3.5-MoE (3 GDN + 1 attention, 8 experts top-2 + a shared
 expert, hidden 128) with an MTP head, trained on the Python standard library's own source
-(tools/train_tiny.py; PSF License corpus), and a byte-level tokenizer — no download, ever.
+(scripts/train_tiny.py; PSF License corpus), and a byte-level tokenizer — no download, ever.
 
 The trained weights ship inside the package (tiny_weights/model.safetensors, 6.2 MB fp32, hub names,
 per-expert keys, `mtp.*`); `write_tiny(dir)` writes them as an HF-format checkpoint with config.json,
@@ -19,7 +19,7 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 VOCAB = 256 + len(SPECIAL) + len(ADDED)      # 264: bytes, then special and added tokens
 EOS_IDS = [256, 258]                          # <|endoftext|>, <|im_end|>
-# tools/train_tiny.py's output, shipped as package data (pyproject.toml)
+# scripts/train_tiny.py's output, shipped as package data (pyproject.toml)
 TINY_WEIGHTS = Path(__file__).resolve().parent / "tiny_weights" / "model.safetensors"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -115,7 +115,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 def tiny_tokenizer(extra: int = 0):
     """Byte-level tokenizer: byte b is id b; special and added tokens follow from 256. extra > 0 pads the
     vocabulary with `<extra_i>` ids after them (VOCAB .. VOCAB + extra - 1), which encoding never produces
-    (no merges) and which decode as their text: a larger model's vocab_size (tools/random_checkpoint.py)."""
+    (no merges) and which decode as their text: a larger model's vocab_size (scripts/random_checkpoint.py)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers import AddedToken
     vocab = {ch: b for b, ch in _bytes_to_unicode().items()}

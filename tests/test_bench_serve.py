@@ -1,4 +1,4 @@
-"""`onegraph bench-serve` (tools/bench_serve.py): against a stub server that misbehaves (errors counted by
+"""`onegraph bench-serve` (commands/bench_serve.py): against a stub server that misbehaves (errors counted by
 kind, the run finishes with its JSON), on bad input (exit 2, one line), its metric definitions, and the soak
 of `onegraph serve` on the tiny artifact (tests/soak.py: 200 requests here, 1,000 by hand)."""
 import asyncio

@@ -93,7 +93,7 @@ def test_tp2_lockstep_each_rank_matches_its_shard(arts, name, tmp_path):
     from a flipped expert on, the state is not comparable)."""
     from onegraph.runtime.fixture import ROUTER_NEAR_TIE
     out = tmp_path / "lockstep{rank}.json"
-    r = subprocess.run(torchrun(arts[name], "--steps", 16, "--out", out, module="onegraph.tools.lockstep"),
+    r = subprocess.run(torchrun(arts[name], "--steps", 16, "--out", out, module="onegraph.scripts.lockstep"),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode in (0, 1), r.stdout[-2000:] + r.stderr[-3000:]       # 1: a step beyond the bound
     for rank in range(2):

@@ -1,7 +1,8 @@
 """The package layout's import rules, read from the source with `ast` (nothing is imported):
 
 - runtime/ never imports export/ (graph signatures live in graphs/, which both read);
-- no import cycle among tools/ modules (helpers they share live in a module of their own).
+- no installed module imports a measurement script (scripts/ is not installed);
+- no import cycle among scripts/ modules (helpers they share live in a module of their own).
 
 Every import counts, at module level or inside a function, absolute (`onegraph.export...`) or relative.
 """
@@ -45,8 +46,25 @@ def test_runtime_never_imports_export():
     assert not {k: v for k, v in bad.items() if v}, bad
 
 
-def test_tools_have_no_import_cycle():
-    mods = {f"onegraph.tools.{p.stem}": p for p in (ROOT / "tools").glob("*.py") if p.stem != "__init__"}
+def product_modules() -> dict[str, Path]:
+    """{dotted name: file} of every installed module (tests/ and scripts/ are not installed)."""
+    out = {}
+    for p in sorted(ROOT.rglob("*.py")):
+        parts = p.relative_to(ROOT).with_suffix("").parts
+        if parts[0] in ("tests", "scripts"):
+            continue
+        out[".".join(["onegraph", *(parts[:-1] if parts[-1] == "__init__" else parts)])] = p
+    return out
+
+
+def test_product_never_imports_a_script():
+    bad = {m: sorted(i for i in imports(p) if i == "onegraph.scripts" or i.startswith("onegraph.scripts."))
+           for m, p in product_modules().items()}
+    assert not {k: v for k, v in bad.items() if v}, bad
+
+
+def test_scripts_have_no_import_cycle():
+    mods = {f"onegraph.scripts.{p.stem}": p for p in (ROOT / "scripts").glob("*.py") if p.stem != "__init__"}
     edges = {m: sorted(i for i in imports(p) if i in mods and i != m) for m, p in mods.items()}
     state, cycle = {}, []
 
@@ -62,4 +80,4 @@ def test_tools_have_no_import_cycle():
     for m in sorted(mods):
         if m not in state:
             visit(m, [m])
-    assert not cycle, f"import cycles among tools/: {cycle}"
+    assert not cycle, f"import cycles among scripts/: {cycle}"

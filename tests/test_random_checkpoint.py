@@ -1,4 +1,4 @@
-"""tools/random_checkpoint.py: a seeded random Qwen3.5-MoE checkpoint of tiny's shape (bf16 and the official
+"""scripts/random_checkpoint.py: a seeded random Qwen3.5-MoE checkpoint of tiny's shape (bf16 and the official
 FP8 layout) loads strictly (every tensor consumed, none missing), its FP8 weights are exactly `--quant fp8` of
 the bf16 one, it generates, transformers loads the bf16 one, same seed -> identical files; the 35B plan has
 bench_big's parameter count and fits the H200 machine's disk as FP8; bad targets are refused."""
@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from onegraph.graphs.eager import generate_eager
 from onegraph.graphs.load import check_checkpoint, load_model
-from onegraph.tools import random_checkpoint as rc
+from onegraph.scripts import random_checkpoint as rc
 
 FP8 = torch.float8_e4m3fn
 

@@ -24,7 +24,7 @@ MAX_SEQ = 192
 
 
 def heldout_prompts(n, length):
-    from onegraph.tools.bench_spec import HELDOUT_TEXT, heldout_prompts as prompts
+    from onegraph.scripts.bench_spec import HELDOUT_TEXT, heldout_prompts as prompts
     return prompts(HELDOUT_TEXT, n, length)
 
 

@@ -26,7 +26,7 @@ V = 264
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, one_thread):
-    from onegraph.tools.bench_spec import random_mtp_checkpoint
+    from onegraph.scripts.bench_spec import random_mtp_checkpoint
     return random_mtp_checkpoint(tmp_path_factory.mktemp("mtp"))
 
 
@@ -109,11 +109,11 @@ def test_prefill_hidden_is_prefill(model):
 
 @torch.no_grad()
 def test_head_is_the_training_forward(model, checkpoint):
-    """The head's catch-up over a prompt gives the MTP logits of the training forward (tools/train_tiny.py:
+    """The head's catch-up over a prompt gives the MTP logits of the training forward (scripts/train_tiny.py:
     the ops' references over whole windows, head position t on (h_t, x_{t+1}) at rotary position t), so
     a head trained there drafts here as it was trained."""
     from onegraph.graphs.load import load_model
-    from onegraph.tools.train_tiny import forward
+    from onegraph.scripts.train_tiny import forward
     tokens = PROMPT + [10, 32]
     T = len(PROMPT)
     unfused = load_model(checkpoint, mtp=True, fuse=False)[1]            # the training forward reads q/k/v_proj

@@ -345,11 +345,11 @@ def test_tp4_bf16_fp32_reduce_artifact_gives_tp1_artifact_ids(tmp_path, tiny_bf1
 
 
 def test_tp2_lockstep_every_rank_matches_its_eager_shard(tp2_artifact, tmp_path):
-    """tools/lockstep.py under torchrun: each rank's graphs vs an eager model of its own weight shard,
+    """scripts/lockstep.py under torchrun: each rank's graphs vs an eager model of its own weight shard,
     teacher-forced, every state tensor compared per step (the rung that localised a 2xH200
     failure to TP-2 eager rounding rather than the graphs)."""
     out = tmp_path / "lockstep{rank}.json"
-    r = subprocess.run(torchrun(tp2_artifact, "--steps", 6, "--out", out, module="onegraph.tools.lockstep"),
+    r = subprocess.run(torchrun(tp2_artifact, "--steps", 6, "--out", out, module="onegraph.scripts.lockstep"),
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     ref = None

@@ -1,4 +1,4 @@
-"""The builtin model's trainer (tools/train_tiny.py): its training forward is the inference path's math,
+"""The builtin model's trainer (scripts/train_tiny.py): its training forward is the inference path's math,
 the MTP head reads only what it may, a few steps on a small slice lower the loss, and the checkpoint it
 writes is the hub layout the loader reads back.
 """
@@ -9,7 +9,7 @@ import torch
 
 from onegraph.custom_ops.sample import Sampling
 from onegraph.graphs.qwen3_5 import new_state
-from onegraph.tools import train_tiny as tt
+from onegraph.scripts import train_tiny as tt
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +132,7 @@ def test_shipped_mtp_head_loads_and_predicts_two_ahead(one_thread):
     from safetensors.torch import load_file
     from onegraph.graphs.load import load_model
     from onegraph.graphs.tiny import TINY_WEIGHTS
-    from onegraph.tools.eval import HELDOUT_TEXT
+    from onegraph.commands.eval import HELDOUT_TEXT
     cfg, model, _ = load_model("tiny", mtp=True, fuse=False)
     assert_mtp_loaded(model, load_file(str(TINY_WEIGHTS)), cfg)
     tokens = torch.tensor(list(HELDOUT_TEXT.read_bytes()[: 4 * 130])).view(4, 130)

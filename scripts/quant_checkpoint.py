@@ -1,7 +1,7 @@
 """Write a compressed-tensors checkpoint (the format llm-compressor writes; graphs/quant_ct.py) from a float
 one: FP8 ("fp8-channel") or INT8 ("int8") W8A8, per-channel symmetric weights, dynamic per-token activations.
 
-    python -m onegraph.tools.quant_checkpoint SRC_DIR|tiny DST_DIR --scheme int8|fp8-channel [--experts]
+    python -m onegraph.scripts.quant_checkpoint SRC_DIR|tiny DST_DIR --scheme int8|fp8-channel [--experts]
 
 The same modules as `export --quant` are quantized (graphs/quant.py FP8_MODULE minus KEEP_FLOAT: GDN
 in_proj_qkv / in_proj_z / out_proj, attention q/k/v/o, a dense MLP), plus the shared expert's projections,

@@ -1,7 +1,7 @@
 """PNG of a bench JSON: ms/token vs batch size for each mode (replay, eager, the bandwidth limit); for a
 bench-serve JSON, its latency percentiles.
 
-    python -m onegraph.tools.plot benchmarks/h200_35b.json      # -> benchmarks/h200_35b.png
+    python -m onegraph.commands.plot benchmarks/h200_35b.json      # -> benchmarks/h200_35b.png
 
 Reads both shapes of bench JSON: `onegraph bench` ("decode" rows) and bench_big ("batches" rows).
 matplotlib is an optional extra (`pip install -e '.[bench]'`); without it this says so and exits 2.
@@ -27,7 +27,7 @@ def series(res: dict) -> dict[str, list[tuple[int, float]]]:
 
 
 def plot_serve(res: dict, png: Path) -> Path:
-    """A bench-serve JSON (tools/bench_serve.py): TTFT, TPOT, ITL and e2e latency at p50/p90/p99 (ms)."""
+    """A bench-serve JSON (commands/bench_serve.py): TTFT, TPOT, ITL and e2e latency at p50/p90/p99 (ms)."""
     import matplotlib.pyplot as plt
     keys = [k for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms") if (res.get(k) or {}).get("p50") is not None]
     fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(2.2 * max(1, len(keys)) + 1, 3.4))
@@ -76,7 +76,7 @@ def plot(json_path: str | Path, png_path: str | Path | None = None) -> Path:
 def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) not in (1, 2):
-        print("usage: python -m onegraph.tools.plot BENCH.json [OUT.png]", file=sys.stderr)
+        print("usage: python -m onegraph.commands.plot BENCH.json [OUT.png]", file=sys.stderr)
         return 2
     try:
         print(plot(*args))

@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from .bench_common import REGIONS, bytes_per_step
-from .bench_common import sync as _sync
+from onegraph.commands.bench_common import REGIONS, bytes_per_step
+from onegraph.commands.bench_common import sync as _sync
 
 ACCEPTANCE_LENGTHS = (2.0, 2.5, 3.0, 3.4)
 NO_ACCEPTANCE = ("random weights: the MTP head and the main model are unrelated random networks, so their "

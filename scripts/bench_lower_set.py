@@ -5,8 +5,8 @@ pipeline.lowering_order) and lowered by the exporter's worker processes (export/
 the next graph overlapping the lowering of the previous ones. Nothing is written but the JSON (the .pt2
 packages go to a temporary directory, removed at the end).
 
-    python -m onegraph.tools.bench_lower_set --shape 35b --out lower_35b.json       # decode 1..64 + prefill 16,64,256
-    python -m onegraph.tools.bench_lower_set --shape tiny --device cpu --batch-sizes 1,2 --prefill-chunks 16 --out t
+    python -m onegraph.scripts.bench_lower_set --shape 35b --out lower_35b.json       # decode 1..64 + prefill 16,64,256
+    python -m onegraph.scripts.bench_lower_set --shape tiny --device cpu --batch-sizes 1,2 --prefill-chunks 16 --out t
 
 Memory: a worker receives each program saved without its weights (export/program.py: the parameters as meta
 tensors) and the weights once, through torch.multiprocessing: CUDA tensors as IPC handles (the 35B model's
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .bench_common import SHAPES, random_shape_model
+from onegraph.commands.bench_common import SHAPES, random_shape_model
 
 
 class Lowerer:
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     model, full = random_shape_model(args.shape, args.layers, getattr(torch, args.dtype), dev)
     dtype = model.embed_tokens.weight.dtype
     jobs = 1 if args.trace_only else args.jobs or auto_jobs(len(todo), dev)
-    run = {"command": "python -m onegraph.tools.bench_lower_set " + " ".join(sys.argv[1:] if argv is None else argv),
+    run = {"command": "python -m onegraph.scripts.bench_lower_set " + " ".join(sys.argv[1:] if argv is None else argv),
            "graphs": todo, "jobs": jobs, "cores": usable_cores(),
            "compile_threads_per_worker": max(1, usable_cores() // jobs), "build_s": round(time.time() - t0, 1),
            "device_free_GB_min": device_free_gb(dev)}

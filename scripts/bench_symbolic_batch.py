@@ -2,13 +2,13 @@
 in its own CUDA graph), compile seconds, and whether the outputs agree. If one graph replays as fast, an artifact
 would compile once instead of once per bucket.
 
-    python -m onegraph.tools.bench_symbolic_batch --shape 35b --layers 4 --batches 1,8,64 --out sym.json
-    python -m onegraph.tools.bench_symbolic_batch --shape tiny --device cpu --dtype float32 --lower export --out t.json
+    python -m onegraph.scripts.bench_symbolic_batch --shape 35b --layers 4 --batches 1,8,64 --out sym.json
+    python -m onegraph.scripts.bench_symbolic_batch --shape tiny --device cpu --dtype float32 --lower export --out t.json
 
 Per --kernels mode (auto: the hand-written Triton lowerings, as exported; reference: every op from its pure-torch
 reference, Inductor writing the kernels): the per-bucket graphs are traced as the exporter traces them
 (export/trace.py, B static), and one graph with B = Dim("B", min(batches)..max(batches)) traced at the largest
-batch. All are lowered as the exporter lowers them (tools/bench_lower_set.py Lowerer: its worker processes,
+batch. All are lowered as the exporter lowers them (scripts/bench_lower_set.py Lowerer: its worker processes,
 concurrently, so compile_s of each is measured under the same load).
 
 The graph is only as symbolic as its ops' Python allows. Every decision an op takes from B at trace time (the
@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from .bench_common import SHAPES, random_shape_model, replay_us
-from .bench_common import sync as _sync
+from onegraph.commands.bench_common import SHAPES, random_shape_model, replay_us
+from onegraph.commands.bench_common import sync as _sync
 
 GUARD_LOGGER = "torch.fx.experimental.symbolic_shapes"
 GUARD_WORDS = ("guard added", "Ignored guard", "range_refined_to_singleton")
@@ -290,7 +290,7 @@ def main(argv=None) -> int:
     t = time.time()
     model, full = random_shape_model(args.shape, args.layers, getattr(torch, args.dtype), dev)
     cmd = " ".join(sys.argv[1:] if argv is None else argv)
-    res = {"command": "python -m onegraph.tools.bench_symbolic_batch " + cmd,
+    res = {"command": "python -m onegraph.scripts.bench_symbolic_batch " + cmd,
            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "shape": args.shape, "layers": len(model.cfg.layer_types), "layers_full": full, "dtype": args.dtype,
            "batches": args.batches, "kernels": kernels, "lower": args.lower, "position": args.position,

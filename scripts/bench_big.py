@@ -2,19 +2,19 @@
 random weights built on the device: replayed CUDA graph of the lowered decode graph vs the same
 onegraph model eager, and the bandwidth limit measured in the same run.
 
-    python -m onegraph.tools.bench_big --batch 1,64 --profile --out benchmarks/h200_35b.json
-    python -m onegraph.tools.bench_big --batch 1 --prefill 512,2048 --out ttft.json     # + TTFT per prompt length
-    python -m onegraph.tools.bench_big --batch 8 --prefill 512 --max-seq-len 34816 --interleave 8 --out il.json
-    python -m onegraph.tools.bench_big --batch 1,8 --transformers --out hf.json         # + transformers eager
-    torchrun --nproc-per-node 2 -m onegraph.tools.bench_big --batch 1,64 --out tp2.json # tensor parallel
-    python -m onegraph.tools.bench_big --batch 1 --layers 4 --speculative-tokens 1,2,3,4 --profile --out spec.json
+    python -m onegraph.scripts.bench_big --batch 1,64 --profile --out benchmarks/h200_35b.json
+    python -m onegraph.scripts.bench_big --batch 1 --prefill 512,2048 --out ttft.json     # + TTFT per prompt length
+    python -m onegraph.scripts.bench_big --batch 8 --prefill 512 --max-seq-len 34816 --interleave 8 --out il.json
+    python -m onegraph.scripts.bench_big --batch 1,8 --transformers --out hf.json         # + transformers eager
+    torchrun --nproc-per-node 2 -m onegraph.scripts.bench_big --batch 1,64 --out tp2.json # tensor parallel
+    python -m onegraph.scripts.bench_big --batch 1 --layers 4 --speculative-tokens 1,2,3,4 --profile --out spec.json
 
 --layers N builds only the first N decoder layers (the config's layer pattern; 4 = one 3 GDN + 1 attention
 unit of the 35B model), which lowers in a fraction of the full graph's time; with --profile the JSON adds
 figures projected to the full depth, labelled *_full_projection, and the method in "method".
 --speculative-tokens K1,K2,.. adds a random MTP head and, per K and batch, times the speculative round graph
 (draft K with the head, verify K+1 rows with the main model, accept, commit, catch up) against the decode
-step of the same model: tools/bench_big_spec.py. Random weights give no meaningful acceptance: none is
+step of the same model: scripts/bench_big_spec.py. Random weights give no meaningful acceptance: none is
 reported, only ms per token at assumed acceptance lengths. A cheap cross-check of the verify's cost: it is
 a decode step over B*(K+1) rows, so --batch B*(K+1) approximates its main-model pass.
 --shape tiny --device cpu --lower export runs the same code paths on the CPU in seconds (tests).
@@ -39,8 +39,8 @@ from pathlib import Path
 
 import torch
 
-from .bench_common import REGIONS, bytes_per_step, hf_decode_ms, shape_config, state_bytes_per_step
-from .bench_common import sync as _sync
+from onegraph.commands.bench_common import REGIONS, bytes_per_step, hf_decode_ms, shape_config, state_bytes_per_step
+from onegraph.commands.bench_common import sync as _sync
 
 
 LAYERS_METHOD = (
@@ -321,7 +321,7 @@ def bench_prefill(model, weights, T: int, args, dev, bw: float) -> dict:
 
 
 def bench_interleave(model, weights, args, dev) -> dict:
-    """tools/bench_interleave.py's measurement through an Engine over this run's in-memory graphs (the weights
+    """scripts/bench_interleave.py's measurement through an Engine over this run's in-memory graphs (the weights
     do not fit the device's disk as an artifact): --interleave streams decode at the smallest --batch bucket that
     holds them while one --interleave-prompt-token prompt is admitted in chunks of --interleave-chunk tokens,
     once with the engine's default budget (one chunk per step) and once whole (all its chunks back to back,
@@ -412,7 +412,7 @@ def bench_batch(model, weights, B: int, args, dev, bw: float) -> dict:
             r["region_fraction_of_bandwidth"] = {k: round(nb / (reg[k] * 1e-6) / bw, 3)
                                                  for k, nb in region_bytes(model, B).items() if reg.get(k)}
             if cfg.num_layers < args.layers_full:    # --layers: projected to the full depth (res["method"])
-                from onegraph.tools.bench_big_spec import decode_layers_us, device_events
+                from onegraph.scripts.bench_big_spec import decode_layers_us, device_events
                 try:
                     spans = [decode_layers_us(e) for e in device_events(lambda: cap.step(rows, pos, samp), 5)]
                 except ValueError as e:
@@ -481,7 +481,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-reps", type=int, default=3)
     ap.add_argument("--interleave", type=int, default=0, metavar="STREAMS",
                     help="also: STREAMS decoding through an Engine over the in-memory graphs while a long prompt is "
-                         "admitted (tools/bench_interleave.py's figures; a --batch bucket must hold STREAMS)")
+                         "admitted (scripts/bench_interleave.py's figures; a --batch bucket must hold STREAMS)")
     ap.add_argument("--interleave-prompt", type=int, default=32768, help="the long prompt's tokens (--interleave)")
     ap.add_argument("--interleave-chunk", type=int, default=2048, help="its prefill chunk (--interleave)")
     ap.add_argument("--transformers", action="store_true",
@@ -501,7 +501,7 @@ def main(argv=None) -> int:
                          "JSON adds figures projected to the full depth (see its 'method')")
     ap.add_argument("--speculative-tokens", type=lambda v: [int(x) for x in v.split(",")], default=[],
                     help="comma-separated K: per K and batch, a speculative round graph (MTP head drafts K, the "
-                         "main model verifies K+1 rows) timed against the decode step (tools/bench_big_spec.py)")
+                         "main model verifies K+1 rows) timed against the decode step (scripts/bench_big_spec.py)")
     ap.add_argument("--shape", default="qwen3.5-35b-a3b", choices=["qwen3.5-35b-a3b", "tiny"],
                     help="the model config built with random weights (tiny: the builtin model's shape, for tests)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -552,7 +552,7 @@ def main(argv=None) -> int:
     dev = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     dtype = getattr(torch, args.dtype)
     res = {"command": ("torchrun --nproc-per-node {} -m ".format(tp) if tp > 1 else "python -m ")
-           + "onegraph.tools.bench_big " + " ".join(sys.argv[1:] if argv is None else argv),
+           + "onegraph.scripts.bench_big " + " ".join(sys.argv[1:] if argv is None else argv),
            "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else None, "torch": torch.__version__, "tp": tp,
            "shape": args.shape, "dtype": args.dtype, "lower": args.lower,
            "layers": len(ModelConfig.from_hf(hf).layer_types), "layers_full": args.layers_full,
@@ -575,7 +575,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     fuse_projections(model)                             # as export does: after sharding
     if args.speculative_tokens:
-        from onegraph.tools.bench_big_spec import attach_random_head
+        from onegraph.scripts.bench_big_spec import attach_random_head
         attach_random_head(model, dev)                  # model.mtp, unfused as export leaves it
     res["params_B"] = round(sum(p.numel() for p in model.parameters()) / 1e9, 2)
     res["build_s"] = round(time.time() - t, 1)
@@ -599,7 +599,7 @@ def main(argv=None) -> int:
         log(json.dumps(r))
         save()                                           # partial results survive a kill
     if args.speculative_tokens:
-        from onegraph.tools.bench_big_spec import NO_ACCEPTANCE, ROUND_VS_DECODE, bench_round
+        from onegraph.scripts.bench_big_spec import NO_ACCEPTANCE, ROUND_VS_DECODE, bench_round
         res["speculation"], res["acceptance"], res["round_vs_decode"] = [], NO_ACCEPTANCE, ROUND_VS_DECODE
         for B, decode_row in zip(args.batch, res["batches"]):
             for k in args.speculative_tokens:

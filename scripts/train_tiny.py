@@ -1,6 +1,6 @@
 """Train the builtin `tiny` model (and its MTP head) on the Python standard library's own source.
 
-    python -m onegraph.tools.train_tiny --out DIR [--steps N] [--batch B] [--seq-len T] [--seed S]
+    python -m onegraph.scripts.train_tiny --out DIR [--steps N] [--batch B] [--seq-len T] [--seed S]
 
 Corpus: every `*.py` file under `sysconfig.get_paths()["stdlib"]` outside EXCLUDED_DIRS (site-packages,
 the test suites, the codec tables and pydoc's help text), as bytes — every machine with Python has it,
@@ -366,7 +366,7 @@ def plot_curve(res: dict, png: Path) -> Path:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m onegraph.tools.train_tiny", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m onegraph.scripts.train_tiny", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="checkpoint directory to write")
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--batch", type=int, default=16)
@@ -386,7 +386,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     try:
         train(Path(args.out), args.steps, args.batch, args.seq_len, args.lr, args.seed, args.warmup,
-              args.eval_every, args.max_files, "python -m onegraph.tools.train_tiny " + " ".join(argv))
+              args.eval_every, args.max_files, "python -m onegraph.scripts.train_tiny " + " ".join(argv))
     except FileNotFoundError as e:
         print(f"train_tiny: error: {e}", file=sys.stderr)
         return 2

@@ -4,8 +4,8 @@
 # jinja2/markupsafe and tqdm, in versions onegraph accepts; it lacks fastapi, starlette, pydantic, uvicorn
 # and openai (and may hold older anyio/idna/typing-extensions than they need), so those travel as wheels.
 #
-#   tools/gpu_wheels.sh fetch [DIR]          on a machine with network: cp312 manylinux wheels into DIR (.whl)
-#   tools/gpu_wheels.sh install DIR SITE     on the GPU host: unpack them into SITE, check the imports;
+#   scripts/gpu_wheels.sh fetch [DIR]          on a machine with network: cp312 manylinux wheels into DIR (.whl)
+#   scripts/gpu_wheels.sh install DIR SITE     on the GPU host: unpack them into SITE, check the imports;
 #                                            then `export PYTHONPATH=SITE` (SITE shadows the image's copies)
 #
 # The pins are one mutually consistent set (the CPU test environment's); bump them together. --no-deps

@@ -1,9 +1,9 @@
 """µs per call of fused_moe (bf16 experts) vs fused_moe_fp8 (block-FP8 experts) at the Qwen3.5-35B-A3B MoE
 shape (H 2048, E 256, I = Is 512, top-8) on one CUDA device, plus a few fp8 decode tile variants.
 
-    python -m onegraph.tools.bench_moe_fp8 [--batches 1,8,64] [--copies 6] [--out benchmarks/h200_moe_fp8.json]
+    python -m onegraph.scripts.bench_moe_fp8 [--batches 1,8,64] [--copies 6] [--out benchmarks/h200_moe_fp8.json]
 
-Timing as tools/tune_moe.py: one CUDA graph of `copies` calls, each on its own copy of the layer's weights and
+Timing as scripts/tune_moe.py: one CUDA graph of `copies` calls, each on its own copy of the layer's weights and
 its own input (its own experts, not left in L2 by the call before), replayed; µs per call. GB/s: the expert
 bytes a call must read (distinct routed experts' gate_up + down, and the shared expert) over its time.
 B = 64 (T*k = 512 > E = 256) runs the grouped-GEMM path of both ops.
@@ -18,8 +18,8 @@ import torch
 
 import onegraph.custom_ops.triton  # noqa: F401  (registers the triton ops)
 from onegraph.custom_ops.triton import fused_moe_fp8 as fp8mod
-from onegraph.tools.bench_ops import MOE, rand, time_graph
-from onegraph.tools.tune_moe import set_tiles
+from onegraph.scripts.bench_ops import MOE, rand, time_graph
+from onegraph.scripts.tune_moe import set_tiles
 
 BLOCK = 128
 
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
         for r in row["fp8"][1:]:
             print("      ", json.dumps(r), flush=True)
         rows.append(row)
-    res = {"command": "python -m onegraph.tools.bench_moe_fp8 " + " ".join(sys.argv[1:] if argv is None else argv),
+    res = {"command": "python -m onegraph.scripts.bench_moe_fp8 " + " ".join(sys.argv[1:] if argv is None else argv),
            "device": torch.cuda.get_device_name(), "copies": a.copies, "rows": rows}
     if a.out:
         with open(a.out, "w") as f:

@@ -1,7 +1,7 @@
 """Projection GEMV vs cuBLAS at Qwen3.5-35B-A3B decode shapes, on a CUDA device; picks the GEMV tiles.
 
-    python -m onegraph.tools.bench_linear --out benchmarks/h200_linear.json
-    python -m onegraph.tools.bench_linear --fp8 --rows 1 --out benchmarks/h200_linear_fp8.json
+    python -m onegraph.scripts.bench_linear --out benchmarks/h200_linear.json
+    python -m onegraph.scripts.bench_linear --fp8 --rows 1 --out benchmarks/h200_linear_fp8.json
 
 --norm: add_rms_norm_linear at M = 1, the layer-input and post-attention norms folded into their projection
 (custom_ops/triton/linear.py REGS: the normed row in registers, the whole row one K tile), per (BN, warps),
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     from onegraph.custom_ops.triton import linear_fp8 as lin8
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
-    res = {"command": "python -m onegraph.tools.bench_linear " + " ".join(sys.argv[1:] if argv is None else argv),
+    res = {"command": "python -m onegraph.scripts.bench_linear " + " ".join(sys.argv[1:] if argv is None else argv),
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_GBps": round(bw / 1e9, 1),
            "rows": []}
     if args.norm:

@@ -1,6 +1,6 @@
 """Decode inter-token latency of running streams while a long prompt is admitted, through the Engine.
 
-    python -m onegraph.tools.bench_interleave --artifact ART --streams 8 --prompt-len 32768 --out FILE.json
+    python -m onegraph.scripts.bench_interleave --artifact ART --streams 8 --prompt-len 32768 --out FILE.json
 
 --streams requests decode (greedy, 16-token prompts); once each has --warmup tokens, one prompt of
 --prompt-len tokens is submitted, and the streams are cancelled once it has its first token. For each
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench_common import emit
+from onegraph.commands.bench_common import emit
 
 
 def pct(xs: list[float]) -> dict:
@@ -89,7 +89,7 @@ def budget_runs(eng, budgets: list[str], streams: int, prompt_len: int, warmup: 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m onegraph.tools.bench_interleave", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m onegraph.scripts.bench_interleave", description=__doc__.splitlines()[0])
     ap.add_argument("--artifact", required=True)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=32768)
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     finally:
         eng.close()
     import torch
-    res = {"command": "python -m onegraph.tools.bench_interleave " + " ".join(sys.argv[1:] if argv is None else argv),
+    res = {"command": "python -m onegraph.scripts.bench_interleave " + " ".join(sys.argv[1:] if argv is None else argv),
            "artifact": str(Path(args.artifact).resolve()), "path": eng.ex.path, "streams": args.streams,
            "prompt_len": args.prompt_len, "prefill_chunks": eng.ex.prefill_buckets,
            "export_options": eng.artifact.options,

@@ -13,8 +13,8 @@ Implementations: "triton" (torch.ops.onegraph.<op>_triton), "eager" (the referen
 (torch.compile of the reference; its compile time is reported). Writes JSON to --out, with the exact
 command line. A failing case is recorded with its error (and printed); the exit status is then 1.
 
-  python tools/bench_ops.py --out bench_ops.json
-  python tools/bench_ops.py --out quick.json --ops gdn_decode_step --batches 1 --impls triton,eager
+  python scripts/bench_ops.py --out bench_ops.json
+  python scripts/bench_ops.py --out quick.json --ops gdn_decode_step --batches 1 --impls triton,eager
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import traceback
 
 import torch
 
-from .bench_common import replay_us
+from onegraph.commands.bench_common import replay_us
 
 OPS = ("gdn_decode_step", "fused_moe", "attention_decode")
 IMPLS = ("triton", "eager", "compile")

@@ -2,7 +2,7 @@
 show: that it compiles at all, registers per thread, spills and shared memory, at the launch
 configurations the lowerings pick for Qwen3.5-35B-A3B shapes.
 
-    python -m onegraph.tools.compile_check [--arch 90] [--json]
+    python -m onegraph.scripts.compile_check [--arch 90] [--json]
 
 How: each lowering runs on meta tensors with its module's `launch` replaced by one recording (kernel, grid, args, meta)
 instead of launching; each recorded launch is compiled with Triton's own compiler for

@@ -4,7 +4,7 @@ shapes (per-expert `mlp.experts.E.{gate,up,down}_proj.weight`, the `mtp.*` head)
 Qwen -FP8 layout (graphs/quant.py). For running the real-scale path (export, load, serve) where the real
 weights cannot be downloaded.
 
-    python -m onegraph.tools.random_checkpoint --shape 35b|tiny --out DIR [--fp8] [--seed S]
+    python -m onegraph.scripts.random_checkpoint --shape 35b|tiny --out DIR [--fp8] [--seed S]
         [--device cpu|cuda] [--shard-gb 5] [--router random|decisive]
 
 Shapes: `35b` is graphs/tiny.py QWEN35_35B_A3B_HF_CONFIG (the Qwen3.5-35B-A3B text model) plus a one-layer MTP
@@ -323,7 +323,7 @@ def main(argv=None) -> int:
                     help="decisive: routers with wide top-k margins, so an exported artifact's parity fixture can "
                          "compare its prompts (graphs/decisive.py)")
     a = ap.parse_args(argv)
-    cmd = "python -m onegraph.tools.random_checkpoint " + " ".join(sys.argv[1:] if argv is None else argv)
+    cmd = "python -m onegraph.scripts.random_checkpoint " + " ".join(sys.argv[1:] if argv is None else argv)
     try:
         rec = write(a.shape, a.out, a.fp8, a.seed, a.device, a.shard_gb, cmd, a.router)
     except RandomCheckpointError as e:

@@ -1,10 +1,10 @@
 """Speculative decoding with the MTP head, eager, on the CPU: acceptance and tokens/s with and without it.
 
-    python -m onegraph.tools.bench_spec [--model DIR ...] [--prompts FILE] [--n-prompts 8] [--prompt-len 64]
+    python -m onegraph.scripts.bench_spec [--model DIR ...] [--prompts FILE] [--n-prompts 8] [--prompt-len 64]
                                         [--max-new-tokens 128] [--ks 1,2,3,4] --out FILE.json
 
 --model (repeatable; one entry in the JSON's `models` each): an HF-format directory whose checkpoint holds
-`mtp.*` weights (a tools/train_tiny.py checkpoint: its train_log.json's command and held-out losses are
+`mtp.*` weights (a scripts/train_tiny.py checkpoint: its train_log.json's command and held-out losses are
 copied into the entry), or `tiny-random-mtp` (the default): the builtin tiny model (graphs/tiny.py, seed 0)
 plus an MTP head with seeded random weights (`random_mtp_checkpoint`), whose drafts are noise, so its
 acceptance only says the machinery runs.
@@ -122,7 +122,7 @@ def add_run_args(ap: argparse.ArgumentParser) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m onegraph.tools.bench_spec")
+    ap = argparse.ArgumentParser(prog="python -m onegraph.scripts.bench_spec")
     ap.add_argument("--model", action="append", help=f"checkpoint dir or {RANDOM_MTP} (default), repeatable")
     add_run_args(ap)
     args = ap.parse_args(argv)
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
             return 1
         models.append(entry)
     res = {
-        "command": "python -m onegraph.tools.bench_spec " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m onegraph.scripts.bench_spec " + " ".join(argv if argv is not None else sys.argv[1:]),
         "prompts": f"{args.n_prompts} x {args.prompt_len} bytes of {args.prompts.name}, evenly spaced",
         "max_new_tokens": args.max_new_tokens, "sampling": "greedy", "device": "cpu", "dtype": "float32",
         "threads": 1, "mode": "eager (graphs/spec.py generate_spec vs graphs/eager.py generate_eager)",

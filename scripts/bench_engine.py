@@ -2,7 +2,7 @@
 output throughput at a fixed concurrency — the figures a user compares with vLLM / SGLang, next to the
 graph-only ones of bench_big.
 
-    python -m onegraph.tools.bench_engine --artifact ART --concurrency 64 --input-len 512 --output-len 256 \
+    python -m onegraph.scripts.bench_engine --artifact ART --concurrency 64 --input-len 512 --output-len 256 \
         --out FILE.json
 
 1. load: `Engine.from_artifact(ART, max_slots=C)` timed whole, with the executor's own stages
@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from .bench_common import emit
+from onegraph.commands.bench_common import emit
 from .bench_interleave import pct
 
 
@@ -62,7 +62,7 @@ def _run(eng, prompts: list[list[int]], out_len: int, timeout: float = 1800) -> 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m onegraph.tools.bench_engine", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m onegraph.scripts.bench_engine", description=__doc__.splitlines()[0])
     ap.add_argument("--artifact", required=True)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=512)
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
         stats = eng.stats()
     finally:
         eng.close()
-    res = {"command": "python -m onegraph.tools.bench_engine " + " ".join(sys.argv[1:] if argv is None else argv),
+    res = {"command": "python -m onegraph.scripts.bench_engine " + " ".join(sys.argv[1:] if argv is None else argv),
            "artifact": str(Path(args.artifact).resolve()), "path": eng.ex.path,
            "export_options": eng.artifact.options,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,

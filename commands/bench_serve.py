@@ -83,7 +83,7 @@ def add_args(p) -> None:
                    "text and ids, timings, error) under `outputs`")
     p.add_argument("--metadata", nargs="*", default=None, metavar="KEY=VALUE",
                    help="recorded under `metadata` in the JSON (e.g. server=\"onegraph serve DIR --max-slots 8\")")
-    p.add_argument("--out", required=True, help="JSON result; a PNG of it is written next to it (tools/plot.py)")
+    p.add_argument("--out", required=True, help="JSON result; a PNG of it is written next to it (commands/plot.py)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -530,7 +530,7 @@ def main(args) -> int:
 
 if __name__ == "__main__":
     import argparse
-    ap = argparse.ArgumentParser(prog="python -m onegraph.tools.bench_serve", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m onegraph.commands.bench_serve", description=__doc__.splitlines()[0])
     add_args(ap)
     try:
         sys.exit(main(ap.parse_args()))

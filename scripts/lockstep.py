@@ -1,7 +1,7 @@
 """Lockstep first-diff: an artifact's graphs vs eager over the artifact's own weights, step by step.
 
-    python -m onegraph.tools.lockstep ARTIFACT [--prompt-ids 1,2,3] [--steps 8] [--no-cuda-graphs] [--out F]
-    torchrun --nproc-per-node N -m onegraph.tools.lockstep TP_ARTIFACT ...     # every rank, its shard
+    python -m onegraph.scripts.lockstep ARTIFACT [--prompt-ids 1,2,3] [--steps 8] [--no-cuda-graphs] [--out F]
+    torchrun --nproc-per-node N -m onegraph.scripts.lockstep TP_ARTIFACT ...     # every rank, its shard
 
 The load-time fixture (runtime/fixture.py) says *whether* an artifact reproduces eager's tokens; this
 says *where* it stops: both sides prefill the prompt into slot 0 from zero state, then decode
@@ -92,7 +92,7 @@ def lockstep(ex, prompt: list[int], steps: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m onegraph.tools.lockstep", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m onegraph.scripts.lockstep", description=__doc__.split("\n")[0])
     p.add_argument("artifact")
     p.add_argument("--prompt-ids", default=",".join(map(str, DEFAULT_PROMPT)))
     p.add_argument("--steps", type=int, default=8, help="decode steps after the prefill")

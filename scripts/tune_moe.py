@@ -2,8 +2,8 @@
 shape on a CUDA device: µs per call for each (BI1, BH1, W1) of the SwiGLU kernel and (BH2, BI2, W2) of
 the down kernel (at one token: SWIGLU_ONE and DOWN_ONE), one kernel's tiles varied at a time.
 
-    python -m onegraph.tools.tune_moe --batches 1,8 --out moe_tiles.json
-    python -m onegraph.tools.tune_moe --batches 1 --routing-prefix --out moe_routing_prefix.json
+    python -m onegraph.scripts.tune_moe --batches 1,8 --out moe_tiles.json
+    python -m onegraph.scripts.tune_moe --batches 1 --routing-prefix --out moe_routing_prefix.json
 
 --routing-prefix: instead of the sweep, what finding the routing inside the SwiGLU kernel costs at the default
 tiles: the op routing in-kernel, the op routing first with _route_kernel (fused_moe.PREROUTED forces either),
@@ -27,7 +27,7 @@ import torch
 
 def time_copies(fn, cases, reps: int = 10) -> float:
     """µs per call: one call per case, all captured in one CUDA graph, replayed `reps` times."""
-    from onegraph.tools.bench_ops import time_graph
+    from onegraph.scripts.bench_ops import time_graph
     return time_graph(lambda: [fn(*c) for c in cases], (), 1, reps, 1) / len(cases)
 
 
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     from onegraph.custom_ops.triton import fused_moe as mod
-    from onegraph.tools.bench_ops import MOE, rand
+    from onegraph.scripts.bench_ops import MOE, rand
     g = torch.Generator(device="cuda").manual_seed(0)
     H, E, I, Is, k = (MOE[x] for x in ("H", "E", "I", "Is", "top_k"))
     weights = [(rand(g, E, H, scale=H ** -0.5), rand(g, E, 2 * I, H, scale=H ** -0.5), rand(g, E, H, I, scale=I ** -0.5),
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     k1 = [c for c in itertools.product((1, 2, 4, 8, 16), (128, 256, 512, 1024, 2048), (1, 2, 4, 8))
           if c[0] * c[1] <= 64 * 32 * c[2]]
     k2 = [c for c in itertools.product((1, 2, 4, 8), (128, 256, 512), (1, 2, 4, 8)) if 8 * c[0] * c[1] <= 64 * 32 * c[2]]
-    res = {"command": "python -m onegraph.tools.tune_moe " + " ".join(sys.argv[1:] if argv is None else argv),
+    res = {"command": "python -m onegraph.scripts.tune_moe " + " ".join(sys.argv[1:] if argv is None else argv),
            "default": base, "copies": args.copies, "rows": []}
     fn = torch.ops.onegraph.fused_moe_triton
     for B in args.batches:
