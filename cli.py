@@ -74,7 +74,7 @@ def check_sampling(args) -> None:
 
 
 def cmd_init_tiny(args) -> int:
-    from onegraph.graphs.tiny import write_tiny
+    from onegraph.models.qwen3_5.tiny import write_tiny
     print(write_tiny(args.dir))
     return 0
 
@@ -134,7 +134,7 @@ def cmd_inspect(args) -> int:
     if args.artifact != "tiny" and not (Path(args.artifact) / "config.json").is_file():
         raise UserError(f"{args.artifact} is neither an onegraph artifact (no manifest.json) nor a checkpoint "
                         f"directory (no config.json)")
-    from onegraph.graphs.load import describe_checkpoint
+    from onegraph.checkpoint.load import describe_checkpoint
     text, refusal = describe_checkpoint(args.artifact)
     print(text, flush=True)
     if refusal is not None:
@@ -216,7 +216,7 @@ def cmd_generate(args) -> int:
     import torch
     from onegraph.custom_ops.sample import Sampling
     from onegraph.graphs.eager import generate_eager
-    from onegraph.graphs.load import load_model
+    from onegraph.checkpoint.load import load_model
     if is_artifact(args.model):
         raise UserError(f"{args.model} is an exported artifact: drop --eager to run its graphs")
     cfg, model, model_dir = load_model(args.model, args.dtype, fp32_reduce=args.fp32_reduce,

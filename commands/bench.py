@@ -126,7 +126,7 @@ def _tp_init(args) -> tuple[int, int]:
 def run(args) -> dict | None:
     """-> the results (None on tensor-parallel ranks > 0)."""
     from onegraph.export.pipeline import ExportOptions, export
-    from onegraph.graphs.load import load_model, model_dir
+    from onegraph.checkpoint.load import load_model, model_dir
     from onegraph.runtime import ranks
     from onegraph.runtime.executor import GraphExecutor
     if args.threads:

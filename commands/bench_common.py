@@ -45,7 +45,7 @@ def bytes_per_step(model, B: int) -> int:
 def state_bytes_per_step(model, B: int, position: int) -> int:
     """State bytes a decode step of B rows at `position` moves: each GDN layer's conv and recurrent state rows
     read and written whole, each attention layer's K and V rows read up to the position and one row written."""
-    from onegraph.graphs.qwen3_5 import state_spec
+    from onegraph.models.qwen3_5.model import state_spec
     dtype = model.embed_tokens.weight.dtype
     total = 0
     for t in state_spec(model.cfg, 1, position + 1, dtype, model.tp):     # one slot, position + 1 rows of KV
@@ -103,14 +103,14 @@ def hf_decode_ms(model, B: int, steps: int, device, prompt_len: int = 3) -> floa
     return (time.perf_counter() - t) / steps * 1e3
 
 
-# --shape -> graphs/tiny.py config (bench_big names the 35B shape in full)
+# --shape -> models/qwen3_5/tiny.py config (bench_big names the 35B shape in full)
 SHAPES = {"35b": "QWEN35_35B_A3B_HF_CONFIG", "qwen3.5-35b-a3b": "QWEN35_35B_A3B_HF_CONFIG", "tiny": "TINY_HF_CONFIG"}
 
 
 def shape_config(shape: str, layers: int) -> tuple[dict, int]:
     """A known shape's HF config -> (config, its full layer count). layers > 0 keeps the first `layers` decoder
     layers (the config's layer pattern; 4 = one 3 GDN + 1 attention unit of the 35B model); ValueError else."""
-    from onegraph.graphs import tiny
+    from onegraph.models.qwen3_5 import tiny
     hf = dict(getattr(tiny, SHAPES[shape]))
     full = hf["num_hidden_layers"]
     if not 0 <= layers <= full:
@@ -125,9 +125,9 @@ def shape_config(shape: str, layers: int) -> tuple[dict, int]:
 def random_shape_model(shape: str, layers: int, dtype: torch.dtype, device):
     """A seeded random model of a known shape (35b: Qwen3.5-35B-A3B, 69 GB in bf16; tiny), its projections
     fused as export fuses them -> (model, layers_full); layers: see shape_config."""
-    from onegraph.graphs import tiny
-    from onegraph.graphs.config import ModelConfig
-    from onegraph.graphs.fuse import fuse_projections
+    from onegraph.models.qwen3_5 import tiny
+    from onegraph.models.qwen3_5.config import ModelConfig
+    from onegraph.models.qwen3_5.fuse import fuse_projections
     hf, full = shape_config(shape, layers)
     model = tiny.random_model(ModelConfig.from_hf(hf), dtype, device)
     return fuse_projections(model), full

@@ -14,7 +14,7 @@ second half, with at least ctx/2 context; this scores all of it, so short-contex
     perplexity    = exp(mean -ln p(token)) per token
 A model directory (or `tiny`) runs eagerly; an artifact runs its own decode and prefill graphs through
 the runtime's GraphExecutor, the same loop either way (the eager side is GraphExecutor.from_model).
-Without --text: the builtin tiny model's bundled held-out text (graphs/tiny_weights/heldout.txt,
+Without --text: the builtin tiny model's bundled held-out text (models/qwen3_5/tiny_weights/heldout.txt,
 Python standard library source never trained on).
 """
 from __future__ import annotations
@@ -104,7 +104,7 @@ def executor(spec: str, ctx: int, batch: int | None, dtype: str | None, device: 
         rows = min(batch or biggest, biggest)
         ex = GraphExecutor.from_artifact(art, max_slots=rows)
         return ex, rows, Path(spec), ex.path, m["dtype"]
-    from onegraph.graphs.load import load_model
+    from onegraph.checkpoint.load import load_model
     dtype = dtype or "float32"
     _, model, path = load_model(spec, dtype, device or "cpu", quant=quant)
     rows = batch or EAGER_BATCH
@@ -122,7 +122,7 @@ def evaluate(spec: str, text: str | None = None, max_tokens: int | None = None, 
         raise EvalError(f"--max-tokens must be >= 2, got {max_tokens}")
     if batch is not None and batch < 1:
         raise EvalError(f"--batch must be >= 1, got {batch}")
-    source = str(text) if text else "builtin held-out (graphs/tiny_weights/heldout.txt)"
+    source = str(text) if text else "builtin held-out (models/qwen3_5/tiny_weights/heldout.txt)"
     path = Path(text) if text else HELDOUT_TEXT
     if not path.is_file():
         raise EvalError(f"--text {path} is not a file")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch.export import Dim
 
-from onegraph.graphs.qwen3_5 import Qwen35Model
+from onegraph.models.qwen3_5.model import Qwen35Model
 from onegraph.graphs.signature import GraphSpec, graph_spec, state_inputs  # noqa: F401  (the signatures: graphs/)
 
 EXPORT_SLOTS = 2          # slots in the example state (S = 3 with scratch); S is dynamic anyway

@@ -1,6 +1,6 @@
 """`onegraph export`: checkpoint -> artifact, readable as one list of stages.
 
-    load -> shard (tensor parallel: one model per rank, graphs/tp.py) -> trace -> lower -> package
+    load -> shard (tensor parallel: one model per rank, models/qwen3_5/tp.py) -> trace -> lower -> package
 
 Everything is written into a staging directory beside --out and renamed into place once the manifest
 is written and verified (staging.py). Graphs are traced here one after another and lowered by worker
@@ -15,7 +15,7 @@ The parity fixture is recorded from the TP-1 eager model: every TP-N load must r
 
 Decode graphs: one per batch bucket. Prefill graphs: one per chunk bucket, not one dynamic-length
 graph, because the chunked GDN scan unrolls over a static number of 64-token chunks; a prompt is
-prefilled in bucket-sized chunks, the last one padded (padding is inert: see graphs/qwen3_5.py).
+prefilled in bucket-sized chunks, the last one padded (padding is inert: see models/qwen3_5/model.py).
 The slot dimension of the state is dynamic, so the runtime chooses how many slots to allocate.
 """
 from __future__ import annotations
@@ -35,12 +35,12 @@ from onegraph.custom_ops import schema_versions
 from onegraph.custom_ops.sample import Sampling
 from onegraph.graphs.eager import generate_eager, router_margins
 from onegraph.graphs.fp32_compute import LOW, generate_eager_fp32
-from onegraph.graphs.fuse import fuse_projections
-from onegraph.graphs.load import check_checkpoint, model_dir, quant_method, resolve_dtype
-from onegraph.graphs.quant import QUANT_CHOICES, SCHEMES, resolve
-from onegraph.graphs.recipe import checkpoint_files, load_tp1, rank_model, recipe_of, state_tensors, tensors_sha256
+from onegraph.models.qwen3_5.fuse import fuse_projections
+from onegraph.checkpoint.load import check_checkpoint, model_dir, quant_method, resolve_dtype
+from onegraph.checkpoint.quant import QUANT_CHOICES, SCHEMES, resolve
+from onegraph.checkpoint.recipe import checkpoint_files, load_tp1, rank_model, recipe_of, state_tensors, tensors_sha256
 from onegraph.graphs.signature import graph_spec, split_inputs
-from onegraph.graphs.tp import check_divisible
+from onegraph.models.qwen3_5.tp import check_divisible
 from onegraph.runtime.artifact import device_descriptor, load_manifest, tool_versions, write_manifest
 from onegraph.runtime.weight_refs import sha256_files
 
@@ -69,11 +69,11 @@ class ExportOptions:
     eager_rounding: bool = True                # round intermediates where eager does (bf16/fp16 parity)
     fp32_reduce: bool = False                  # row-parallel outputs in fp32, all-reduced, rounded once (TP-invariant)
     allow_unused_weights: bool = False         # load even if the checkpoint holds tensors the model does not consume
-    quant: str = "auto"                        # dense projections' weights (graphs/quant.py): auto (the checkpoint's;
+    quant: str = "auto"                        # dense projections' weights (checkpoint/quant.py): auto (the checkpoint's;
                                                # resolved before export) | none (model dtype) | fp8 | int8 | fp8-channel
     speculative_tokens: int = 0                # > 0: MTP draft + verify graphs of k drafts (graphs/spec_graphs.py)
     weights: str = "copy"                      # copy: weights.safetensors in the artifact | reference: the checkpoint's
-                                               # files by path + sha256, made into the weights at load (graphs/recipe.py)
+                                               # files by path + sha256, made into the weights at load (checkpoint/recipe.py)
 
     def validate(self, max_positions: int) -> None:
         if self.backend not in ("aoti", "onnx"):
@@ -128,8 +128,8 @@ def resolve_quant(model_spec, opts: ExportOptions) -> ExportOptions:
 
 
 def shard(model, opts: ExportOptions) -> list:
-    """One model per rank (graphs/tp.py's plan; TP-1: the model itself), each with its same-input
-    projections concatenated (graphs/fuse.py) after sharding."""
+    """One model per rank (models/qwen3_5/tp.py's plan; TP-1: the model itself), each with its same-input
+    projections concatenated (models/qwen3_5/fuse.py) after sharding."""
     return [rank_model(model, r, opts.tp) for r in range(opts.tp)]
 
 
@@ -388,8 +388,8 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
     if opts.backend == "aoti":
         manifest["lowering"] = lowering                # aoti.py's Inductor configs, as the graphs were compiled
     if tp > 1:
-        from onegraph.graphs.tp import local_dims
-        manifest["tp"] = {"size": tp, "group_name": group_name, "plan": "onegraph.graphs.tp",
+        from onegraph.models.qwen3_5.tp import local_dims
+        manifest["tp"] = {"size": tp, "group_name": group_name, "plan": "onegraph.models.qwen3_5.tp",
                           "local_dims": dataclasses.asdict(local_dims(cfg, tp)),
                           "collectives": "all_reduce after each token mixer and MLP block; all_gather of "
                                          "vocab-sharded logits before sampling"}

@@ -16,7 +16,7 @@ import torch
 
 from onegraph.custom_ops.sample import Sampling
 
-from .qwen3_5 import Qwen35Model
+from onegraph.models.qwen3_5.model import Qwen35Model
 
 OUTPUTS = ("next_ids", "logits")                                   # decode and prefill graphs
 SPEC_OUTPUTS = ("next_ids", "n_accepted", "targets", "drafts")      # a speculative round
@@ -69,7 +69,7 @@ def state_inputs(model: Qwen35Model, max_seq_len: int, dtype: torch.dtype, k: in
     speculative state (graphs/spec_graphs.py spec_state_spec: the head's KV, spec.y, spec.pos)."""
     spec = model.state_spec(1, max_seq_len, dtype)
     if k:
-        from .spec_graphs import spec_state_spec
+        from onegraph.graphs.spec_graphs import spec_state_spec
         spec = spec + spec_state_spec(model, 1, max_seq_len, dtype)
     return [(t.name, ("S",) + t.shape[1:], t.dtype) for t in spec]
 

@@ -1,4 +1,4 @@
-"""Speculative decoding with the model's own MTP head (graphs/mtp.py): draft, verify, accept, commit.
+"""Speculative decoding with the model's own MTP head (models/qwen3_5/mtp.py): draft, verify, accept, commit.
 
 The eager reference, one slot at a time (generate_spec), written as graphs trace (explicit state tensors
 indexed by slot, static k, no Python control flow on tensor values). The exported graphs
@@ -43,9 +43,9 @@ import torch
 
 from onegraph.custom_ops.sample import Sampling
 
-from .config import ModelConfig
-from .eager import i64
-from .qwen3_5 import Qwen35Model, StateTensor, new_state, ops
+from onegraph.models.qwen3_5.config import ModelConfig
+from onegraph.graphs.eager import i64
+from onegraph.models.qwen3_5.model import Qwen35Model, StateTensor, new_state, ops
 
 MAX_SPECULATIVE_TOKENS = 4
 

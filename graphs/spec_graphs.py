@@ -47,8 +47,8 @@ from __future__ import annotations
 
 import torch
 
-from .qwen3_5 import Qwen35Model, StateTensor
-from .spec import _head_in, _stack, check_k, mtp_catch_up, mtp_state_spec, prefill_hidden
+from onegraph.models.qwen3_5.model import Qwen35Model, StateTensor
+from onegraph.graphs.spec import _head_in, _stack, check_k, mtp_catch_up, mtp_state_spec, prefill_hidden
 
 ops = torch.ops.onegraph
 

@@ -179,7 +179,7 @@ class Artifact:
 
     backend = _field("backend", "aoti | onnx")
     dtype = _field("dtype", "the float dtype exported, by name")
-    model = _field("model", "the model config (graphs/config.py ModelConfig.to_dict())")
+    model = _field("model", "the model config (models/qwen3_5/config.py ModelConfig.to_dict())")
     max_seq_len = _field("max_seq_len", "KV-cache length per slot")
     state = _field("state", 'the state tensors every graph takes last: [{name, shape ("S" = slots + 1), dtype}]')
     speculative_tokens = _field("speculative_tokens", "K of the speculative graphs (0: none)", 0)

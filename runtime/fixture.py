@@ -30,7 +30,7 @@ from pathlib import Path
 from .artifact import ArtifactError
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.25, "float16": 0.1}
-# W8A8 artifacts (export --quant int8 | fp8-channel, graphs/quant.py) round every projection's input to 8 bits
+# W8A8 artifacts (export --quant int8 | fp8-channel, checkpoint/quant.py) round every projection's input to 8 bits
 # per row inside the graph: an ulp of difference in that input (the compiled graph sums a norm in another
 # order) can move one activation across a rounding boundary, or a row's amax and so its scale, and each such
 # flip moves the logits by about 1e-2 (tiny, fp32: 0.0118 at a 12-token prefill). Their logits are held to

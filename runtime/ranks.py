@@ -1,6 +1,6 @@
 """Tensor-parallel replay, the whole rank lifecycle: every rank replays its own graphs (its weight
 shard, collectives inside the graph); rank 0 decides what runs and broadcasts each step to the others.
-(graphs/tp.py shards the model; this file runs the shards.)
+(models/qwen3_5/tp.py shards the model; this file runs the shards.)
 
     artifact = lead_or_follow(path, max_slots=..)   # under torchrun: join the process group; ranks > 0
                                                     # follow rank 0 here until it stops -> None

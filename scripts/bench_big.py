@@ -19,7 +19,7 @@ reported, only ms per token at assumed acceptance lengths. A cheap cross-check o
 a decode step over B*(K+1) rows, so --batch B*(K+1) approximates its main-model pass.
 --shape tiny --device cpu --lower export runs the same code paths on the CPU in seconds (tests).
 
-Under torchrun every rank builds the same seeded weights, keeps its shard (graphs/tp.py's plan), lowers
+Under torchrun every rank builds the same seeded weights, keeps its shard (models/qwen3_5/tp.py's plan), lowers
 its own decode graph (NCCL collectives as graph nodes) and replays it captured in a CUDA graph, with
 the one broadcast per step that the TP runtime does; rank 0 writes the JSON.
 
@@ -156,7 +156,7 @@ def identical_experts_(model) -> None:
     the normalised top-k weights (1) whichever experts the router picks, so a bf16 rounding that flips
     a near-tie in the router no longer moves the logits; what replay vs eager still differ by is the
     rest of the model's rounding."""
-    from onegraph.graphs.qwen3_5 import SparseMoe
+    from onegraph.models.qwen3_5.model import SparseMoe
     for m in model.modules():
         if isinstance(m, SparseMoe):
             m.experts.gate_up_proj[1:] = m.experts.gate_up_proj[:1]
@@ -280,7 +280,7 @@ def bench_prefill(model, weights, T: int, args, dev, bw: float) -> dict:
     """TTFT of a T-token prompt into an empty slot as ONE prefill graph call of chunk T (the artifact's
     largest chunk bucket would be T), lowered vs the same model eager, plus ids/logits parity; the weight
     bytes the call reads (at T = 512 nearly every expert) and, with --profile, its kernel time by region."""
-    from onegraph.graphs.qwen3_5 import new_state
+    from onegraph.models.qwen3_5.model import new_state
     from onegraph.runtime.executor import Sampling
     r = {"prompt_tokens": T}
     graph = lower(model, weights, "prefill", T, args, dev, r)
@@ -359,7 +359,7 @@ def bench_interleave(model, weights, args, dev) -> dict:
 
 def bench_batch(model, weights, B: int, args, dev, bw: float) -> dict:
     """Lower the decode graph for B rows, capture it, time replay and eager -> one result row."""
-    from onegraph.graphs.qwen3_5 import new_state
+    from onegraph.models.qwen3_5.model import new_state
     from onegraph.runtime.cuda_graphs import CapturedDecode
     from onegraph.runtime.executor import Sampling
     from onegraph.runtime.ranks import StepBroadcast
@@ -449,7 +449,7 @@ def bench_transformers(cfg_dict: dict, batches: list[int], steps: int, dev) -> l
     decode ms per step at each batch after a 32-token prompt. Records whether flash-linear-attention was
     importable (transformers then runs its GDN kernels instead of the pure-torch recurrence)."""
     import transformers as tf
-    from onegraph.graphs.tiny import randomise_
+    from onegraph.models.qwen3_5.tiny import randomise_
     with torch.device(dev):          # on the device directly: transformers computes its rope buffers
         model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(**cfg_dict), dtype=torch.bfloat16)
     with torch.no_grad():
@@ -494,7 +494,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-fold-norms", action="store_true",
                     help="keep the batch-1 layer-input norms as kernels (export/fold_norm.py): the before of a pair")
     ap.add_argument("--router", default="random", choices=["random", "decisive"],
-                    help="decisive: random routers with wide top-k margins (graphs/decisive.py), so parity rows "
+                    help="decisive: random routers with wide top-k margins (models/qwen3_5/decisive.py), so parity rows "
                          "are not decided by router near-ties")
     ap.add_argument("--layers", type=int, default=0,
                     help="build only the first N decoder layers (the config's layer pattern); with --profile the "
@@ -534,10 +534,10 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"bench_big: --speculative-tokens: {e}", file=sys.stderr)
         return 2
-    from onegraph.graphs.config import ModelConfig
-    from onegraph.graphs.fuse import fuse_projections
-    from onegraph.graphs.load import shard_model
-    from onegraph.graphs.tiny import random_model
+    from onegraph.models.qwen3_5.config import ModelConfig
+    from onegraph.models.qwen3_5.fuse import fuse_projections
+    from onegraph.checkpoint.load import shard_model
+    from onegraph.models.qwen3_5.tiny import random_model
     from onegraph.runtime.ranks import init_from_torchrun, leave, native
     try:
         hf, args.layers_full = shape_config(args.shape, args.layers)   # --layers: the first N of the same pattern
@@ -566,7 +566,7 @@ def main(argv=None) -> int:
     if args.identical_experts:
         identical_experts_(model)
     if args.quant != "none":
-        from onegraph.graphs.quant import quantize_model
+        from onegraph.checkpoint.quant import quantize_model
         res["quantized_weights"] = quantize_model(model, args.quant)
         torch.cuda.empty_cache()
     if tp > 1:

@@ -41,8 +41,8 @@ ROUND_VS_DECODE = ("round_ms is one replay of the round graph with static rows a
 def attach_random_head(model, device, seed: int = 1) -> None:
     """model.mtp := an MTP head of one layer at the model's shape, seeded random weights (bench_big's
     scales) in the model's dtype, on `device`."""
-    from onegraph.graphs.mtp import MtpHead
-    from onegraph.graphs.tiny import randomise_
+    from onegraph.models.qwen3_5.mtp import MtpHead
+    from onegraph.models.qwen3_5.tiny import randomise_
     with torch.device("meta"):
         head = MtpHead(model.cfg, 1).to(model.embed_tokens.weight.dtype)
     head.to_empty(device=device)
@@ -223,7 +223,7 @@ def profile_round(step, n: int, k: int) -> dict:
 def bench_round(model, weights, B: int, k: int, args, dev, decode_row: dict, bw: float, lower) -> dict:
     """Lower the round graph of k drafts for bucket B, capture (CUDA) and time it -> one result row.
     decode_row: bench_big's decode row of the same B and model (its replay_ms_per_step)."""
-    from onegraph.graphs.qwen3_5 import new_state
+    from onegraph.models.qwen3_5.model import new_state
     from onegraph.graphs.spec_graphs import spec_state_spec
     cfg, dtype, r = model.cfg, model.embed_tokens.weight.dtype, {"batch": B, "speculative_tokens": k}
     graph = lower(model, weights, "spec", B, args, dev, r, k=k)

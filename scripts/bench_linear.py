@@ -8,7 +8,7 @@
 against the pair it replaces (the add_rms_norm kernel, then the GEMV at its tile) and the row-once form.
 
 --fp8: onegraph::linear_fp8's kernel (block-FP8 weights, custom_ops/triton/linear_fp8.py) on the FP8 model's
-projections (graphs/fuse.py: the GDN in_proj's FP8 run [qkv; z]; the attention's [q; k; v]; out/o_proj).
+projections (models/qwen3_5/fuse.py: the GDN in_proj's FP8 run [qkv; z]; the attention's [q; k; v]; out/o_proj).
 
 Each measurement is one CUDA graph of `calls` launches on distinct copies of the weight (so L2 never
 holds it), replayed `reps` times: µs per call and its fraction of the device's copy bandwidth. For every
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 # (name, N, K, uses per decode step through onegraph::linear): the 35B decode projections after
-# graphs/fuse.py; q_proj alone, the router and lm_head are measured for reference, not used to pick tiles
+# models/qwen3_5/fuse.py; q_proj alone, the router and lm_head are measured for reference, not used to pick tiles
 SHAPES = [("gdn_in_proj", 12352, 2048, 30), ("attn_qkv", 9216, 2048, 10), ("q_proj", 8192, 2048, 0),
           ("out_or_o_proj", 2048, 4096, 40), ("router", 256, 2048, 0), ("lm_head", 248320, 2048, 0)]
 GEMV_TILES = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((4, 8, 16, 32), (128, 256, 512, 1024), (4, 8),

@@ -5,11 +5,11 @@
 
 --model (repeatable; one entry in the JSON's `models` each): an HF-format directory whose checkpoint holds
 `mtp.*` weights (a scripts/train_tiny.py checkpoint: its train_log.json's command and held-out losses are
-copied into the entry), or `tiny-random-mtp` (the default): the builtin tiny model (graphs/tiny.py, seed 0)
+copied into the entry), or `tiny-random-mtp` (the default): the builtin tiny model (models/qwen3_5/tiny.py, seed 0)
 plus an MTP head with seeded random weights (`random_mtp_checkpoint`), whose drafts are noise, so its
 acceptance only says the machinery runs.
 Prompts: --n-prompts windows of --prompt-len bytes spread evenly over the held-out text (default
-graphs/tiny_weights/heldout.txt, source never trained on). Greedy, one slot, fp32, 1 thread; each
+models/qwen3_5/tiny_weights/heldout.txt, source never trained on). Greedy, one slot, fp32, 1 thread; each
 prompt runs speculation-off (graphs/eager.py generate_eager) then on for each k (graphs/spec.py
 generate_spec); every speculative run must give the speculation-off ids (else the tool exits 1).
 
@@ -38,10 +38,10 @@ RANDOM_MTP = "tiny-random-mtp"
 def random_mtp_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
     """The builtin tiny checkpoint (the same main weights as `tiny` at seed 0) plus an MTP head with seeded
     random weights, in the hub layout (`mtp.*` keys after the main model's in the seeded stream)."""
-    from onegraph.graphs import tiny
-    from onegraph.graphs.config import ModelConfig
-    from onegraph.graphs.mtp import MtpHead
-    from onegraph.graphs.qwen3_5 import Qwen35Model
+    from onegraph.models.qwen3_5 import tiny
+    from onegraph.models.qwen3_5.config import ModelConfig
+    from onegraph.models.qwen3_5.mtp import MtpHead
+    from onegraph.models.qwen3_5.model import Qwen35Model
     cfg = ModelConfig.from_hf(tiny.TINY_HF_CONFIG)
     with torch.device("meta"):
         model = Qwen35Model(cfg)
@@ -62,7 +62,7 @@ def heldout_prompts(path: Path, n: int, length: int) -> list[list[int]]:
 def bench_model(spec: str, prompts: list[list[int]], ks: list[int], max_new: int) -> dict | None:
     """Speculation off, then on for each k, over `prompts` -> the JSON entry (None: a run differed)."""
     from onegraph.graphs.eager import generate_eager
-    from onegraph.graphs.load import load_model
+    from onegraph.checkpoint.load import load_model
     from onegraph.graphs.spec import generate_spec
     if spec == RANDOM_MTP:
         path = random_mtp_checkpoint(tempfile.mkdtemp(prefix="onegraph-mtp-"))

@@ -160,7 +160,7 @@ def bench_batch(model, graphs: dict, B: int, reports: dict, args, dev) -> dict:
     """Every graph that serves B, on one state: the same step from the same state (outputs compared with the
     first graph: ids exact, logits max |diff|), then µs per step (a captured CUDA graph's replay; the CPU: an
     uncaptured step)."""
-    from onegraph.graphs.qwen3_5 import new_state
+    from onegraph.models.qwen3_5.model import new_state
     from onegraph.runtime.cuda_graphs import CapturedDecode
     from onegraph.runtime.executor import Sampling
 

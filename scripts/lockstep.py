@@ -31,9 +31,9 @@ DEFAULT_PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 1
 def eager_twin(ex):
     """A GraphExecutor running the onegraph eager model over the weights the artifact's graphs were
     lowered with (this rank's shard under tensor parallel), with the same buckets and slots."""
-    from onegraph.graphs.config import ModelConfig
-    from onegraph.graphs.fuse import fuse_projections
-    from onegraph.graphs.qwen3_5 import Qwen35Model
+    from onegraph.models.qwen3_5.config import ModelConfig
+    from onegraph.models.qwen3_5.fuse import fuse_projections
+    from onegraph.models.qwen3_5.model import Qwen35Model
     from onegraph.runtime.executor import GraphExecutor
     m = ex.artifact.manifest
     with torch.device("meta"):

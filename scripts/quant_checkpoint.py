@@ -1,9 +1,9 @@
-"""Write a compressed-tensors checkpoint (the format llm-compressor writes; graphs/quant_ct.py) from a float
+"""Write a compressed-tensors checkpoint (the format llm-compressor writes; checkpoint/quant_ct.py) from a float
 one: FP8 ("fp8-channel") or INT8 ("int8") W8A8, per-channel symmetric weights, dynamic per-token activations.
 
     python -m onegraph.scripts.quant_checkpoint SRC_DIR|tiny DST_DIR --scheme int8|fp8-channel [--experts]
 
-The same modules as `export --quant` are quantized (graphs/quant.py FP8_MODULE minus KEEP_FLOAT: GDN
+The same modules as `export --quant` are quantized (checkpoint/quant.py FP8_MODULE minus KEEP_FLOAT: GDN
 in_proj_qkv / in_proj_z / out_proj, attention q/k/v/o, a dense MLP), plus the shared expert's projections,
 and with --experts the routed experts' per-expert keys (checkpoints that llm-compressor made from a model
 whose experts are Linear modules have them). Everything else stays as it is and is listed in `ignore`.
@@ -55,7 +55,7 @@ def quantize(w: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def write(src: str | Path, dst: str | Path, scheme: str, experts: bool = False) -> Path:
-    from onegraph.graphs.load import model_dir
+    from onegraph.checkpoint.load import model_dir
     src, dst = model_dir(src), Path(dst)
     if scheme not in ("int8", "fp8-channel"):
         raise ValueError(f"scheme must be int8 or fp8-channel, got {scheme!r}")

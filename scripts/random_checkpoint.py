@@ -1,18 +1,18 @@
 """Write a Qwen3.5-MoE checkpoint of a given shape with seeded random weights: the hub's key names and
 shapes (per-expert `mlp.experts.E.{gate,up,down}_proj.weight`, the `mtp.*` head), sharded safetensors with
 `model.safetensors.index.json`, config.json, a byte-level tokenizer; bf16, or with --fp8 the official
-Qwen -FP8 layout (graphs/quant.py). For running the real-scale path (export, load, serve) where the real
+Qwen -FP8 layout (checkpoint/quant.py). For running the real-scale path (export, load, serve) where the real
 weights cannot be downloaded.
 
     python -m onegraph.scripts.random_checkpoint --shape 35b|tiny --out DIR [--fp8] [--seed S]
         [--device cpu|cuda] [--shard-gb 5] [--router random|decisive]
 
-Shapes: `35b` is graphs/tiny.py QWEN35_35B_A3B_HF_CONFIG (the Qwen3.5-35B-A3B text model) plus a one-layer MTP
+Shapes: `35b` is models/qwen3_5/tiny.py QWEN35_35B_A3B_HF_CONFIG (the Qwen3.5-35B-A3B text model) plus a one-layer MTP
 head; `tiny` is the builtin tiny model's config. Key names and shapes come from the model itself
-(graphs/qwen3_5.py Qwen35Model and graphs/mtp.py MtpHead on the meta device, named as graphs/tiny.py
+(models/qwen3_5/model.py Qwen35Model and models/qwen3_5/mtp.py MtpHead on the meta device, named as models/qwen3_5/tiny.py
 hf_tensors names them), so the loader reads the result strictly.
 
-Values (graphs/tiny.py randomise_'s scales: O(1) activations, greedy ids not dominated by ties): A_log =
+Values (models/qwen3_5/tiny.py randomise_'s scales: O(1) activations, greedy ids not dominated by ties): A_log =
 log U(1, 16), dt_bias U(-1, 1), other vectors (zero-centred norms: 1 + w) N(0, 0.1), matrices
 N(0, fan_in^-1/2); drawn in fp32 from a generator seeded by (seed, key), so a tensor does not depend on the
 order of writing, then rounded to bf16. The same --seed and --device give byte-identical files (CPU and CUDA
@@ -20,17 +20,17 @@ generators differ, so the device is recorded).
 
 --router decisive (default `random`: the values above): random routers have top-k margins of ~1e-4 (35B:
 256 experts, top-8, 40 layers), so bf16 rounding differences between an artifact's graphs and eager flip
-routing choices in every prompt and its load-time parity fixture can compare nothing. graphs/decisive.py's
+routing choices in every prompt and its load-time parity fixture can compare nothing. models/qwen3_5/decisive.py's
 rule then edits the drawn values (a few constant sign channels of the embedding that only the routers read;
 each layer's router sends a token to the top_k experts seeded for its sign pattern, by a margin of several
 logits; every tensor otherwise random, same keys, shapes, dtypes and config.json). The choice is recorded in
 random_checkpoint.json.
 
---fp8: exactly what `--quant fp8` makes of the bf16 checkpoint of the same seed (graphs/quant.py `quantize` of
+--fp8: exactly what `--quant fp8` makes of the bf16 checkpoint of the same seed (checkpoint/quant.py `quantize` of
 the bf16 values): e4m3 `X.weight` + fp32 `X.weight_scale_inv` per 128x128 block for the main layers' GDN
 in_proj_qkv / in_proj_z / out_proj, attention q/k/v/o, routed experts and shared expert; kept bf16 (and named
 in `modules_to_not_convert`): embeddings, lm_head, norms, the routers `mlp.gate` / `shared_expert_gate`, GDN
-in_proj_a / in_proj_b, conv1d, A_log, dt_bias, and the MTP head (graphs/load.py runs it float: its e4m3
+in_proj_a / in_proj_b, conv1d, A_log, dt_bias, and the MTP head (checkpoint/load.py runs it float: its e4m3
 weights would be dequantized at load).
 
 Streamed: one tensor at a time is generated (on --device), quantized, copied to host and appended to its
@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from onegraph.graphs import quant
+from onegraph.checkpoint import quant
 
 SHAPES = ("35b", "tiny")
 MTP_LAYERS = 1
@@ -72,7 +72,7 @@ class RandomCheckpointError(ValueError):
 
 def hf_config(shape: str, fp8: bool) -> dict:
     """config.json: the shape's hub fields, an MTP head, bf16; with fp8 the official quantization_config."""
-    from onegraph.graphs.tiny import EOS_IDS, QWEN35_35B_A3B_HF_CONFIG, TINY_HF_CONFIG
+    from onegraph.models.qwen3_5.tiny import EOS_IDS, QWEN35_35B_A3B_HF_CONFIG, TINY_HF_CONFIG
     if shape not in SHAPES:
         raise RandomCheckpointError(f"--shape must be one of {list(SHAPES)}, got {shape!r}")
     cfg = dict(TINY_HF_CONFIG if shape == "tiny" else QWEN35_35B_A3B_HF_CONFIG)
@@ -87,7 +87,7 @@ def hf_config(shape: str, fp8: bool) -> dict:
 
 def not_converted(cfg: dict) -> list[str]:
     """The Linear-like modules kept bf16 (Qwen3-Next -FP8's list: per-layer names; the MTP head whole)."""
-    from onegraph.graphs.config import ModelConfig
+    from onegraph.models.qwen3_5.config import ModelConfig
     c = ModelConfig.from_hf(cfg)
     out = ["lm_head", "model.embed_tokens", "mtp"]
     for i, kind in enumerate(c.layer_types):
@@ -99,10 +99,10 @@ def not_converted(cfg: dict) -> list[str]:
 
 def float_plan(cfg: dict) -> dict[str, tuple[int, ...]]:
     """Hub key -> shape of every float tensor of the model + MTP head, in the model's order (meta tensors only)."""
-    from onegraph.graphs.config import ModelConfig
-    from onegraph.graphs.load import meta_model
-    from onegraph.graphs.mtp import MtpHead
-    from onegraph.graphs.tiny import hf_tensors
+    from onegraph.models.qwen3_5.config import ModelConfig
+    from onegraph.checkpoint.load import meta_model
+    from onegraph.models.qwen3_5.mtp import MtpHead
+    from onegraph.models.qwen3_5.tiny import hf_tensors
     c = ModelConfig.from_hf(cfg)
     model = meta_model(c)
     with torch.device("meta"):
@@ -150,8 +150,8 @@ def tensor_seed(seed: int, key: str) -> int:
 
 
 def random_tensor(key: str, shape, seed: int, device, decisive: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """The bf16 value of `key` (graphs/tiny.py randomise_'s rule by name), drawn in fp32 on `device`;
-    decisive = (hidden_size, experts, top_k): then graphs/decisive.py's rule on the fp32 values."""
+    """The bf16 value of `key` (models/qwen3_5/tiny.py randomise_'s rule by name), drawn in fp32 on `device`;
+    decisive = (hidden_size, experts, top_k): then models/qwen3_5/decisive.py's rule on the fp32 values."""
     gen = torch.Generator(device=device).manual_seed(tensor_seed(seed, key))
     t = torch.empty(shape, dtype=torch.float32, device=device)
     if key.endswith("A_log"):
@@ -163,7 +163,7 @@ def random_tensor(key: str, shape, seed: int, device, decisive: tuple[int, int, 
     else:
         t.normal_(0.0, shape[-1] ** -0.5, generator=gen)
     if decisive is not None:
-        from onegraph.graphs.decisive import apply_
+        from onegraph.models.qwen3_5.decisive import apply_
         apply_(key, t, *decisive, seed)
     return t.to(torch.bfloat16)
 
@@ -191,16 +191,16 @@ def header(p: dict, keys: list[str]) -> bytes:
 
 
 def tokenizer(vocab: int):
-    """tiny's byte-level tokenizer (graphs/tiny.py) with its vocabulary padded to `vocab` ids: ids 0..263 as
+    """tiny's byte-level tokenizer (models/qwen3_5/tiny.py) with its vocabulary padded to `vocab` ids: ids 0..263 as
     tiny's, then `<extra_i>` entries that encoding never produces (no merges) and that decode as their text."""
-    from onegraph.graphs.tiny import VOCAB, tiny_tokenizer
+    from onegraph.models.qwen3_5.tiny import VOCAB, tiny_tokenizer
     if vocab < VOCAB:
         raise RandomCheckpointError(f"vocab_size {vocab} is below the byte tokenizer's {VOCAB} ids")
     return tiny_tokenizer(extra=vocab - VOCAB)
 
 
 def write_text_files(out: Path, cfg: dict) -> None:
-    from onegraph.graphs.tiny import CHAT_TEMPLATE
+    from onegraph.models.qwen3_5.tiny import CHAT_TEMPLATE
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     tokenizer(cfg["vocab_size"]).save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
@@ -225,7 +225,7 @@ def write(shape: str, out: str | Path, fp8: bool = False, seed: int = 0, device:
           shard_gb: float = 5.0, command: str | None = None, router: str = "random") -> dict:
     """Write the checkpoint; -> the record also saved as random_checkpoint.json. router: "random" or
     "decisive" (the module docstring)."""
-    from onegraph.graphs.decisive import ROUTERS
+    from onegraph.models.qwen3_5.decisive import ROUTERS
     if router not in ROUTERS:
         raise RandomCheckpointError(f"--router must be one of {list(ROUTERS)}, got {router!r}")
     t0 = time.time()
@@ -321,7 +321,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shard-gb", type=float, default=5.0, help="shard size in GB (1e9 bytes)")
     ap.add_argument("--router", default="random", choices=["random", "decisive"],
                     help="decisive: routers with wide top-k margins, so an exported artifact's parity fixture can "
-                         "compare its prompts (graphs/decisive.py)")
+                         "compare its prompts (models/qwen3_5/decisive.py)")
     a = ap.parse_args(argv)
     cmd = "python -m onegraph.scripts.random_checkpoint " + " ".join(sys.argv[1:] if argv is None else argv)
     try:

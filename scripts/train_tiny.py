@@ -4,11 +4,11 @@
 
 Corpus: every `*.py` file under `sysconfig.get_paths()["stdlib"]` outside EXCLUDED_DIRS (site-packages,
 the test suites, the codec tables and pydoc's help text), as bytes — every machine with Python has it,
-no download; PSF License. Split by file: the files named in graphs/tiny_weights/heldout_files.txt are
+no download; PSF License. Split by file: the files named in models/qwen3_5/tiny_weights/heldout_files.txt are
 held out (a fixed list), the others, sorted, are the training stream, each followed by <|endoftext|>.
 
-Model: graphs/tiny.py's config (byte-level vocabulary and chat tokens unchanged) plus one MTP layer
-(graphs/mtp.py). Loss: next-token cross-entropy + MTP_WEIGHT * the MTP head's cross-entropy on token t+2
+Model: models/qwen3_5/tiny.py's config (byte-level vocabulary and chat tokens unchanged) plus one MTP layer
+(models/qwen3_5/mtp.py). Loss: next-token cross-entropy + MTP_WEIGHT * the MTP head's cross-entropy on token t+2
 + AUX_WEIGHT * a load-balancing loss on every router (Switch-style: E * sum_e f_e * P_e, f_e the share
 of top-k slots routed to expert e, P_e its mean router probability; 1.0 when perfectly balanced).
 
@@ -47,7 +47,7 @@ from onegraph.custom_ops.gated_rms_norm import reference_gated_rms_norm
 from onegraph.custom_ops.gdn_prefill import reference_gdn_prefill
 from onegraph.custom_ops.rms_norm import reference_rms_norm
 from onegraph.custom_ops.rope import reference_rope
-from onegraph.graphs.qwen3_5 import GDN_CHUNK
+from onegraph.models.qwen3_5.model import GDN_CHUNK
 
 MTP_WEIGHT = 0.3          # DeepSeek-V3's MTP loss weight early in training
 AUX_WEIGHT = 0.01         # Switch Transformer's load-balancing coefficient
@@ -79,7 +79,7 @@ def heldout_files() -> list[str]:
 
 
 def heldout_text(root: Path, files: list[str], size: int = HELDOUT_SLICE) -> str:
-    """The bundled evaluation text (graphs/tiny_weights/heldout.txt): from each held-out file, the whole
+    """The bundled evaluation text (models/qwen3_5/tiny_weights/heldout.txt): from each held-out file, the whole
     lines within `size` bytes starting at the first line after the file's middle."""
     parts = []
     for f in files:
@@ -92,7 +92,7 @@ def heldout_text(root: Path, files: list[str], size: int = HELDOUT_SLICE) -> str
 
 def token_stream(root: Path, files: list[str]) -> torch.Tensor:
     """Bytes of the files, each followed by <|endoftext|> (256) -> int16 [n] (ids < 264)."""
-    from onegraph.graphs.tiny import EOS_IDS
+    from onegraph.models.qwen3_5.tiny import EOS_IDS
     parts = []
     for f in files:
         data = (root / f).read_bytes()
@@ -220,10 +220,10 @@ def build(seed: int, hf_config: dict | None = None):
     """A Qwen35Model + MTP head of tiny's config, seeded init (GPT-2-style: matrices N(0, 0.02), the
     residual-stream writers scaled by (2 * layers)^-1/2; Qwen's (1 + w) norms at w = 0, the GDN
     output norm at 1; GDN decay A_log = log U(1, 16), dt_bias 1, as transformers initialises them)."""
-    from onegraph.graphs.config import ModelConfig
-    from onegraph.graphs.mtp import MtpHead
-    from onegraph.graphs.qwen3_5 import Qwen35Model
-    from onegraph.graphs.tiny import TINY_HF_CONFIG
+    from onegraph.models.qwen3_5.config import ModelConfig
+    from onegraph.models.qwen3_5.mtp import MtpHead
+    from onegraph.models.qwen3_5.model import Qwen35Model
+    from onegraph.models.qwen3_5.tiny import TINY_HF_CONFIG
     hf = hf_config or TINY_HF_CONFIG
     cfg = ModelConfig.from_hf(hf)
     model = Qwen35Model(cfg)
@@ -249,7 +249,7 @@ def build(seed: int, hf_config: dict | None = None):
 
 
 def hf_state(model) -> dict[str, torch.Tensor]:
-    from onegraph.graphs.tiny import hf_tensors
+    from onegraph.models.qwen3_5.tiny import hf_tensors
     return hf_tensors({n: p.detach() for n, p in model.named_parameters()})
 
 
@@ -313,7 +313,7 @@ def train(out: Path, steps: int, batch: int, seq_len: int, lr: float, seed: int,
             log(f"step {step + 1}/{steps}: loss {main:.3f} mtp {mtp:.3f} aux {aux:.3f} | "
                 f"held-out {h_main:.3f} nats ({h_main / math.log(2):.3f} bits/byte), mtp {h_mtp:.3f} | "
                 f"{time.perf_counter() - t0:.0f} s")
-    from onegraph.graphs.tiny import TINY_HF_CONFIG, write_checkpoint
+    from onegraph.models.qwen3_5.tiny import TINY_HF_CONFIG, write_checkpoint
     write_checkpoint(out, hf_state(model))
     (out / "heldout.txt").write_text(heldout_text(root, held), encoding="utf-8")
     file_list = "\n".join(train_files).encode()

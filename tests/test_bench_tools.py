@@ -45,8 +45,8 @@ def test_identical_experts_make_the_moe_blind_to_routing():
     model's own distinct experts the same change moves it (fp32, tiny)."""
     import torch
 
-    from onegraph.graphs.load import load_model
-    from onegraph.graphs.qwen3_5 import SparseMoe, ops
+    from onegraph.checkpoint.load import load_model
+    from onegraph.models.qwen3_5.model import SparseMoe, ops
     from onegraph.scripts.bench_big import identical_experts_
     _, model, _ = load_model("tiny", "float32")
     moe = next(m for m in model.modules() if isinstance(m, SparseMoe))
@@ -87,8 +87,8 @@ def test_bench_big_layers_and_speculative_round_on_cpu(tmp_path):
     assert row["round_ms"] > 0 and row["round_over_decode_step"] > 0
     assert set(row["ms_per_token_at_acceptance"]) == {"2.0", "2.5", "3.0", "3.4"}
     # tiny's first 2 layers are GDN: conv [conv_dim, W-1] and recurrent [HV, K, V] fp32 rows, read and written
-    from onegraph.graphs.config import ModelConfig
-    from onegraph.graphs.tiny import TINY_HF_CONFIG
+    from onegraph.models.qwen3_5.config import ModelConfig
+    from onegraph.models.qwen3_5.tiny import TINY_HF_CONFIG
     c = ModelConfig.from_hf(TINY_HF_CONFIG)
     assert tuple(c.layer_types[:2]) == ("linear_attention",) * 2
     conv_dim = 2 * c.linear_k_heads * c.linear_k_dim + c.linear_v_heads * c.linear_v_dim
@@ -204,7 +204,7 @@ def test_bench_big_prefill_and_interleave_on_cpu(tmp_path):
     (pre,) = res["prefill"]
     assert pre["prompt_tokens"] == 24 and pre["parity_vs_eager"]["ids_equal"], pre
     assert pre["parity_vs_eager"]["max_logit_diff"] < 1e-4
-    from onegraph.graphs.load import load_model
+    from onegraph.checkpoint.load import load_model
     model = load_model("tiny")[1]
     experts = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n and not n.startswith("mtp."))
     assert pre["weight_bytes"] > experts * 0.99           # 1 - (3/4)^24 of them, expected

@@ -16,8 +16,8 @@ import torch
 
 from onegraph.custom_ops.sample import Sampling
 from onegraph.graphs.eager import generate_eager
-from onegraph.graphs.load import load_model
-from onegraph.graphs.tiny import TINY_HF_CONFIG, write_tiny
+from onegraph.checkpoint.load import load_model
+from onegraph.models.qwen3_5.tiny import TINY_HF_CONFIG, write_tiny
 
 TIMEOUT = 120
 # one intra-op thread in the subprocesses and in-process alike: the same arithmetic on both sides of

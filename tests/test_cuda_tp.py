@@ -61,7 +61,7 @@ def _parts_only_at_near_tie(got: list[int], ref: list[int], logits, tol: float, 
 @pytest.mark.parametrize("cuda_graphs", [True, False], ids=["captured", "uncaptured"])
 def test_tp2_fp32_matches_tp1_eager(arts, cuda_graphs):
     from onegraph.graphs.eager import generate_eager
-    from onegraph.graphs.load import load_model
+    from onegraph.checkpoint.load import load_model
     ref = generate_eager(load_model("tiny", "float32", "cuda")[1], PROMPT, STEPS, max_seq_len=128)
     got = tp_generate(arts["tp2_float32"], PROMPT, STEPS, "--tp-timeout", 60,
                       *([] if cuda_graphs else ["--no-cuda-graphs"]))

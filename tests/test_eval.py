@@ -31,7 +31,7 @@ def test_eager_matches_a_full_sequence_reference(eager_result, one_thread):
     """The decode-step loop's sum of -ln p == the training forward's cross-entropy (the ops' references
     over whole windows, no state, no executor) on the same windows: fp32, relative 1e-5."""
     from tokenizers import Tokenizer
-    from onegraph.graphs.load import load_model
+    from onegraph.checkpoint.load import load_model
     from onegraph.scripts.train_tiny import forward
     _, model, path = load_model("tiny", fuse=False)
     ids, n_bytes = ev.encode(Tokenizer.from_file(str(path / "tokenizer.json")),

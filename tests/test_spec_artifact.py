@@ -78,7 +78,7 @@ def test_rounds_are_the_eager_reference_rounds(engines):
     """The artifact's rounds draft what the eager one-slot reference (graphs/spec.py generate_spec) drafts: the
     same number of rounds and accepted drafts, with the prompt prefilled in three 16-token chunks (the head
     catches up chunk by chunk in the graphs, over the whole prompt at once in the reference)."""
-    from onegraph.graphs.load import load_model
+    from onegraph.checkpoint.load import load_model
     from onegraph.graphs.spec import generate_spec
     on, _ = engines
     model = load_model("tiny", mtp=True)[1]
@@ -215,9 +215,9 @@ def test_ends_at_max_seq_len(engines):
 def test_refusals(tmp_path, tiny_artifact):
     from onegraph.cli import main
     from onegraph.export.pipeline import ExportOptions, export
-    from onegraph.graphs import tiny
-    from onegraph.graphs.config import ModelConfig
-    from onegraph.graphs.qwen3_5 import Qwen35Model
+    from onegraph.models.qwen3_5 import tiny
+    from onegraph.models.qwen3_5.config import ModelConfig
+    from onegraph.models.qwen3_5.model import Qwen35Model
     from onegraph.runtime import Engine
     for k in (0, 5):
         assert main(["export", "tiny", "--out", str(tmp_path / "x"), "--speculative-tokens", str(k)]) == 2

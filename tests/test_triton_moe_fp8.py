@@ -44,7 +44,7 @@ def nb(n):
 
 def quantize(w):
     """w [..., N, K] fp32 -> (q e4m3, scale [..., ceil(N/128), ceil(K/128)] fp32): amax / 448 per block, the rule
-    of graphs/quant.py `quantize` (and of transformers' quantizer up to the reciprocal)."""
+    of checkpoint/quant.py `quantize` (and of transformers' quantizer up to the reciprocal)."""
     *lead, n, k = w.shape
     pad = torch.zeros(*lead, nb(n) * 128, nb(k) * 128, device=w.device)
     pad[..., :n, :k] = w

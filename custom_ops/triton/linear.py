@@ -9,7 +9,7 @@ for all M rows of x:
 - 1 < M <= GEMV_MAX_M: tl.dot of x [BM = 16, BK] (rows >= M masked to 0) with the tile transposed,
   fp32 accumulation (tensor cores; the padding rows cost compute, which is free here).
 The tile (BN, BK, warps, stages) is chosen from (M, K) only — never from N — so every output column is
-the same sum in the same order whatever N is: a weight concatenated along N (graphs/fuse.py) gives
+the same sum in the same order whatever N is: a weight concatenated along N (models/qwen3_5/fuse.py) gives
 bit-identical columns to the separate weights. Above GEMV_MAX_M rows the aten GEMM (cuBLAS) runs.
 """
 from __future__ import annotations

@@ -16,7 +16,7 @@ BM rows of x:
   either round the weight to bf16 (not the reference: transformers' bf16 path, 2**-9 per weight) or need
   an fp32 GEMM (no tensor cores, ~15x slower on the H100), and would write and re-read the weight.
 The tile (BM, BN, BK, warps, stages) depends on (M class, K) only, never on N, so a weight concatenated
-along N (graphs/fuse.py) gives bit-identical columns to the separate weights, as custom_ops/triton/linear.py.
+along N (models/qwen3_5/fuse.py) gives bit-identical columns to the separate weights, as custom_ops/triton/linear.py.
 The Triton 3.6 interpreter (CPU tests) loads float8_e4m3fn pointers and converts every finite e4m3 value
 exactly (all 254 checked; it reads the two NaN encodings as +-480, which no checkpoint holds), so the
 weight is passed as float8_e4m3fn on both paths.

@@ -31,7 +31,7 @@ Which modules are FP8 in an artifact:
   Qwen3-Next -FP8 precedent (in_proj_ba, mlp.gate, shared_expert_gate, embed_tokens, lm_head unconverted).
 Weight-only: activations stay in the compute dtype (decode reads weights; their bytes halve).
 
-Per-channel W8A8 schemes (compressed-tensors checkpoints, graphs/quant_ct.py; or `--quant int8|fp8-channel`):
+Per-channel W8A8 schemes (compressed-tensors checkpoints, checkpoint/quant_ct.py; or `--quant int8|fp8-channel`):
   X.weight        [N, K]  int8 ("int8") or float8_e4m3fn ("fp8-channel"), symmetric per output channel
   X.weight_scale  [N, 1]  a multiplier: w[n, k] = fp32(q[n, k]) * s[n] (checkpoints may store it bf16/fp16:
                           read exactly as fp32)
@@ -93,7 +93,7 @@ SCHEMES = {
                  "to int8 per token (dynamic, symmetric), int32 dot products"),
 }
 QUANT_DTYPES = (torch.float8_e4m3fn, torch.int8)
-# model-side names of the projections that run through graphs/qwen3_5.py `Linear.forward` (ops.linear_fp8
+# model-side names of the projections that run through models/qwen3_5/model.py `Linear.forward` (ops.linear_fp8
 # once FP8); every other weight is read by an op directly (fused_moe, the lm_head matmul) and stays float
 FP8_MODULE = re.compile(r"^layers\.\d+\.(linear_attn\.(in_proj_qkv|in_proj_z|in_proj_a|in_proj_b|out_proj)"
                         r"|self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)$")
@@ -190,7 +190,7 @@ def make_fp8(lin: torch.nn.Module) -> None:
     make_quantized(lin, SCHEMES[METHOD])
 
 
-# A main-model SparseMoe (graphs/qwen3_5.py; the MTP head's stays float) and its expert scale parameters:
+# A main-model SparseMoe (models/qwen3_5/model.py; the MTP head's stays float) and its expert scale parameters:
 # experts.gate_up_proj_scale_inv [E, 2*ceil(I/128), ceil(H/128)] (the gate rows' block scales, then the up
 # rows': the checkpoint's per-expert gate_proj / up_proj weight_scale_inv concatenated, exact at any I) and
 # experts.down_proj_scale_inv [E, ceil(H/128), ceil(I/128)], the layout onegraph::fused_moe_fp8 reads.
@@ -239,8 +239,8 @@ def make_fp8_moes(model: torch.nn.Module, held: set[str]) -> int:
 def fuse_expert_scales(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per-expert `...experts.E.{gate,up,down}_proj.weight_scale_inv` (of experts kept e4m3) -> the fused
     experts.gate_up_proj_scale_inv [E, 2*ceil(I/128), ceil(H/128)] and experts.down_proj_scale_inv; the other
-    tensors unchanged (the weights are fused by graphs/weights.py fuse_experts as float ones are)."""
-    from .weights import group_experts          # weights.py imports this module
+    tensors unchanged (the weights are fused by checkpoint/weights.py fuse_experts as float ones are)."""
+    from onegraph.checkpoint.weights import group_experts          # weights.py imports this module
     per, out = group_experts(tensors, lambda k: EXPERT_KEY.match(k[: -len("_scale_inv")])
                              if k.endswith("." + SCALE) else None)
     for prefix, experts in per.items():
@@ -306,7 +306,7 @@ def quantize_model(model: torch.nn.Module, scheme: str = METHOD) -> int:
     """`--quant fp8|int8|fp8-channel` on a loaded float model: every FP8_MODULE projection not in KEEP_FLOAT
     (and not quantized already) takes the scheme's weight and scale, quantized from the loaded weight (already
     in the compute dtype: a bf16 checkpoint's own values); block fp8 also every MoE layer's routed experts and
-    shared expert (quantize_moe: 5 weights a layer), as the official format. Runs before graphs/fuse.py
+    shared expert (quantize_moe: 5 weights a layer), as the official format. Runs before models/qwen3_5/fuse.py
     concatenates. -> how many weights."""
     sch = SCHEMES[scheme]
     n = 0

@@ -28,7 +28,7 @@ import re
 
 import torch
 
-from .config import ModelConfig
+from onegraph.models.qwen3_5.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)

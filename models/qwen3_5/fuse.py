@@ -14,7 +14,7 @@ knows the mapping. The CUDA GEMV chooses its tile from (rows, K) only, so a conc
 computed exactly as the separate one was (custom_ops/triton/linear.py); aten's CPU GEMM may sum a
 column in another order at M > 1 (fp32 differences of ~1e-6).
 
-FP8 parts (graphs/quant.py: e4m3 weight + one scale per 128x128 block) concatenate weights and block scales
+FP8 parts (checkpoint/quant.py: e4m3 weight + one scale per 128x128 block) concatenate weights and block scales
 together, which is exact only where every part but the last is a whole number of 128-row blocks: then the
 parts' scale rows stack into the fused weight's. A float part never joins an FP8 one. So the parts are
 grouped into runs of consecutive parts that concatenate exactly, one projection per run, and the module
@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .quant import BLOCK, FP8
+from onegraph.checkpoint.quant import BLOCK, FP8
 
 # module attribute -> (fused name, the parts in order)
 FUSED = {"linear_attn": ("in_proj", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")),
@@ -75,7 +75,7 @@ def runs(lins: list) -> list[list]:
 
 
 def _concat(lins: list) -> nn.Module:
-    from .qwen3_5 import Linear
+    from onegraph.models.qwen3_5.model import Linear
     if len(lins) == 1:
         return lins[0]
     w = torch.cat([lin.weight for lin in lins])

@@ -45,7 +45,7 @@ TINY_HF_CONFIG = {
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 64,
     "shared_expert_intermediate_size": 64,
-    "mtp_num_hidden_layers": 1,                 # the MTP head (graphs/mtp.py), `mtp.*` keys
+    "mtp_num_hidden_layers": 1,                 # the MTP head (models/qwen3_5/mtp.py), `mtp.*` keys
     "hidden_act": "silu",
     "rms_norm_eps": 1e-6,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
@@ -168,9 +168,9 @@ QWEN35_35B_A3B_HF_CONFIG = {
 def randomise_(model: torch.nn.Module, device, seed: int = 0, router: str = "random") -> None:
     """Seeded O(1)-scale weights by parameter name (ours or transformers' Qwen3.5 names): GDN decay
     A_log = log U(1, 16), dt_bias U(-1, 1), other vectors N(0, 0.1), matrices N(0, fan_in^-1/2).
-    router="decisive": then graphs/decisive.py's rule (per layer, a seeded top-k set for each token's sign
+    router="decisive": then models/qwen3_5/decisive.py's rule (per layer, a seeded top-k set for each token's sign
     pattern, chosen by wide router margins)."""
-    from . import decisive
+    from onegraph.models.qwen3_5 import decisive
     decisive.check_router(router)
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
@@ -191,7 +191,7 @@ def random_model(cfg, dtype: torch.dtype, device, seed: int = 0, fp32_reduce: bo
                  router: str = "random"):
     """A Qwen35Model built on `device` (meta -> to_empty -> seeded init), same scales as the tiny
     weights; for benchmarking shapes whose weights cannot be shipped. router: see randomise_."""
-    from .qwen3_5 import Qwen35Model
+    from onegraph.models.qwen3_5.model import Qwen35Model
     with torch.device("meta"):
         model = Qwen35Model(cfg, fp32_reduce=fp32_reduce).to(dtype)   # allocated in the target dtype (35B: 69 GB)
     model.to_empty(device=device)

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from .fuse import fuse_projections
-from .load import load_model, shard_model
-from .weights import _files
+from onegraph.models.qwen3_5.fuse import fuse_projections
+from onegraph.checkpoint.load import load_model, shard_model
+from onegraph.checkpoint.weights import _files
 
-RECIPE = "onegraph.graphs.recipe v1"      # recorded; a runtime refuses a recipe it does not implement
+RECIPE = "onegraph.checkpoint.recipe v1"      # recorded; a runtime refuses a recipe it does not implement
 FIELDS = ("dtype", "quant", "fp32_reduce", "allow_unused", "mtp", "tp")
 
 
@@ -36,7 +36,7 @@ def recipe_of(dtype: str, quant: str, fp32_reduce: bool, allow_unused: bool, mtp
 
 def load_tp1(spec: str | Path, recipe: dict, device: str | torch.device = "cpu"):
     """-> (cfg, TP-1 model, checkpoint dir): the checkpoint loaded as the recipe says, projections not yet fused
-    (a TP rank is sliced from the separate parts: graphs/fuse.py)."""
+    (a TP rank is sliced from the separate parts: models/qwen3_5/fuse.py)."""
     return load_model(spec, recipe["dtype"], device, fp32_reduce=recipe["fp32_reduce"],
                       allow_unused=recipe["allow_unused"], fuse=False, quant=recipe["quant"], mtp=recipe["mtp"])
 
@@ -80,7 +80,7 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
 
 def checkpoint_files(path: Path) -> list[str]:
     """The files load_model reads from checkpoint directory `path`, relative to it: config.json, the shard
-    index when there is one, and the safetensors files (graphs/weights.py)."""
+    index when there is one, and the safetensors files (checkpoint/weights.py)."""
     names = ["config.json"] + (["model.safetensors.index.json"] if (path / "model.safetensors.index.json").is_file()
                                else [])
     return names + [str(f.relative_to(path)) for f in _files(path)]

@@ -14,7 +14,7 @@ config.json `quantization_config` (field names as compressed-tensors 0.20 `Quant
    "ignore": ["lm_head", "re:.*mlp.gate$", ...], "kv_cache_scheme": null, "sparsity_config": null}
 Tensors (naive/int/float-quantized compressor): `X.weight` int8 | float8_e4m3fn [N, K] and `X.weight_scale`
 [N, 1] (the model dtype or fp32); `X.weight_zero_point` only for asymmetric weights, which are refused.
-Two schemes load (graphs/quant.py SCHEMES): float 8-bit -> "fp8-channel", int 8-bit -> "int8". Which modules
+Two schemes load (checkpoint/quant.py SCHEMES): float 8-bit -> "fp8-channel", int 8-bit -> "int8". Which modules
 are quantized is read from the tensors' dtypes, not from `targets` / `ignore`: a module the config ignores
 has a float weight, and any other quantized weight the model does not run quantized is dequantized at load.
 Everything else (static or per-tensor activation scales, group / block / tensor strategies, asymmetric
@@ -23,7 +23,7 @@ sparsity or transforms) is refused with the field and value named.
 """
 from __future__ import annotations
 
-from .quant import FP8_CHANNEL, INT8, QuantError
+from onegraph.checkpoint.quant import FP8_CHANNEL, INT8, QuantError
 
 METHOD = "compressed-tensors"
 FORMATS = {"float-quantized": FP8_CHANNEL, "int-quantized": INT8}

@@ -13,7 +13,7 @@ Contract (why state is an input mutated in place: docs/design.md):
           seed[1], *state) -> (next_id [1] int64, last_logits [1, vocab] fp32)
   Tokens n_valid..T-1 are padding: their KV writes go to the scratch slot and their GDN gates are
   zeroed, so a padded chunk leaves the same state as an exact one.
-- Tensor parallel (graphs/tp.py has the plan): Qwen35Model(cfg, tp, group) holds one rank's shard;
+- Tensor parallel (models/qwen3_5/tp.py has the plan): Qwen35Model(cfg, tp, group) holds one rank's shard;
   head counts, intermediate sizes and the state layout are the rank's (`state_spec(..., tp)`). The
   token-mixer and MLP outputs are all-reduced and the vocab-sharded logits all-gathered with torch
   functional collectives, which torch.export keeps as `_c10d_functional` graph nodes. tp=1 adds no op.
@@ -33,9 +33,9 @@ from torch import nn
 
 from onegraph import custom_ops  # noqa: F401  (registers torch.ops.onegraph)
 
-from .config import ModelConfig
-from .fuse import ConcatProj
-from .tp import LocalDims, local_dims
+from onegraph.models.qwen3_5.config import ModelConfig
+from onegraph.models.qwen3_5.fuse import ConcatProj
+from onegraph.models.qwen3_5.tp import LocalDims, local_dims
 
 ops = torch.ops.onegraph
 GDN_CHUNK = 64
@@ -73,9 +73,9 @@ def new_state(cfg: ModelConfig, slots: int, max_seq_len: int, dtype: torch.dtype
 
 class Linear(nn.Linear):
     """A projection through onegraph::linear (a GEMV at decode sizes on CUDA). x [N, in] -> [N, out].
-    FP8 (graphs/quant.py make_fp8): weight [out, in] float8_e4m3fn and weight_scale_inv
+    FP8 (checkpoint/quant.py make_fp8): weight [out, in] float8_e4m3fn and weight_scale_inv
     [ceil(out/128), ceil(in/128)] fp32, through onegraph::linear_fp8 (weight-only: x stays as it is).
-    W8A8 (graphs/quant.py make_w8a8): weight [out, in] int8 or float8_e4m3fn and weight_scale [out, 1] fp32,
+    W8A8 (checkpoint/quant.py make_w8a8): weight [out, in] int8 or float8_e4m3fn and weight_scale [out, 1] fp32,
     through onegraph::linear_w8a8_int8 / linear_w8a8_fp8 (x quantized per row inside the op)."""
 
     def forward(self, x):
@@ -114,7 +114,7 @@ class RowLinear(Linear):
 
 def _split(mod, x, parts):
     """The outputs of `parts` (Linear attributes of mod) for input x: views of one concatenated
-    projection once graphs/fuse.py has fused them, else one projection each."""
+    projection once models/qwen3_5/fuse.py has fused them, else one projection each."""
     if mod.fused_sizes is None:
         return [getattr(mod, p)(x) for p in parts]
     proj = mod.fused_proj
@@ -128,7 +128,7 @@ def _split(mod, x, parts):
         while n > 0:
             mine.append(next(sizes))
             n -= mine[-1]
-        if n:                                         # graphs/fuse.py concatenates whole parts: never reached
+        if n:                                         # models/qwen3_5/fuse.py concatenates whole parts: never reached
             raise ValueError(f"fused projection: a run of {run.weight.shape[0]} rows straddles the parts {mod.fused_sizes}")
         out += run(x).split(mine, dim=-1)
     return out
@@ -157,7 +157,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(cfg.linear_v_dim))
         self.out_proj = RowLinear(vd, H, fp32_out=fp32_reduce)
-        self.fused_sizes = None                      # graphs/fuse.py: in_proj = [qkv; z; b; a]
+        self.fused_sizes = None                      # models/qwen3_5/fuse.py: in_proj = [qkv; z; b; a]
 
     @property
     def fused_proj(self):
@@ -217,7 +217,7 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(D)
         self.k_norm = RMSNorm(D)
         self.scale = D ** -0.5
-        self.fused_sizes = None                      # graphs/fuse.py: qkv_proj = [q; k; v]
+        self.fused_sizes = None                      # models/qwen3_5/fuse.py: qkv_proj = [q; k; v]
 
     @property
     def fused_proj(self):
@@ -283,7 +283,7 @@ class SparseMoe(nn.Module):
         self.experts.down_proj = nn.Parameter(torch.zeros(E, H, I))
         self.shared_expert = DenseMlp(H, Is)
         self.shared_expert_gate = _linear(H, 1)
-        self.fused_sizes = None                      # graphs/fuse.py: router = [gate; shared_expert_gate]
+        self.fused_sizes = None                      # models/qwen3_5/fuse.py: router = [gate; shared_expert_gate]
 
     @property
     def router_weight(self):
@@ -294,7 +294,7 @@ class SparseMoe(nn.Module):
 
     def forward(self, x, logits):
         """x [N, H] (normed), logits [N, E + 1] = x @ router_weight.T -> [N, H]. Block-FP8 experts and shared
-        expert (graphs/quant.py make_fp8_moe): the same through onegraph::fused_moe_fp8."""
+        expert (checkpoint/quant.py make_fp8_moe): the same through onegraph::fused_moe_fp8."""
         se, ex = self.shared_expert, self.experts
         if ex.gate_up_proj.dtype == torch.float8_e4m3fn:
             return ops.fused_moe_fp8(x, logits, ex.gate_up_proj, ex.gate_up_proj_scale_inv, ex.down_proj,
@@ -342,7 +342,7 @@ class DecoderLayer(nn.Module):
 
 class Qwen35Model(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: int = 1, group=None, fp32_reduce: bool = False):
-        """tp > 1: this rank's shard (load it with graphs/tp.py shard_state_dict); `group` is the
+        """tp > 1: this rank's shard (load it with models/qwen3_5/tp.py shard_state_dict); `group` is the
         tensor-parallel process group (None: the default group). fp32_reduce: see the module docstring."""
         super().__init__()
         self.cfg, self.tp, self.group, self.fp32_reduce = cfg, tp, group, fp32_reduce

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import torch
 
-from . import quant as quantfmt
-from .config import ModelConfig
-from .fuse import fuse_projections
-from .mtp import attach_mtp
-from .qwen3_5 import Qwen35Model
-from .tp import check_divisible, shard_state_dict
-from .weights import Census, LoadError, census, check_quantization, fp8_weights, load_into
+from onegraph.checkpoint import quant as quantfmt
+from onegraph.models.qwen3_5.config import ModelConfig
+from onegraph.models.qwen3_5.fuse import fuse_projections
+from onegraph.models.qwen3_5.mtp import attach_mtp
+from onegraph.models.qwen3_5.model import Qwen35Model
+from onegraph.models.qwen3_5.tp import check_divisible, shard_state_dict
+from onegraph.checkpoint.weights import Census, LoadError, census, check_quantization, fp8_weights, load_into
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -34,7 +34,7 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
 def _tiny_dir() -> Path:
     """The tiny checkpoint, written once per process (deterministic, so sharing it is safe) and removed when
     the process exits (every call used to write, and leave behind, a directory of its own)."""
-    from .tiny import write_tiny
+    from onegraph.models.qwen3_5.tiny import write_tiny
     path = Path(tempfile.mkdtemp(prefix="onegraph-tiny-"))
     atexit.register(shutil.rmtree, path, ignore_errors=True)
     return write_tiny(path)
@@ -111,15 +111,15 @@ def describe_checkpoint(spec: str | Path) -> tuple[str, LoadError | None]:
 def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
                tp: int = 1, rank: int = 0, group=None, fp32_reduce: bool = False, allow_unused: bool = False,
                fuse: bool = True, mtp: bool = False, quant: str | None = None):
-    """-> (cfg, model, checkpoint dir). tp > 1: rank `rank`'s shard (graphs/tp.py), whose collectives
+    """-> (cfg, model, checkpoint dir). tp > 1: rank `rank`'s shard (models/qwen3_5/tp.py), whose collectives
     run over `group` (None: the default process group). fp32_reduce: Qwen35Model's option.
-    fuse: concatenate the same-input projections (graphs/fuse.py) after sharding; False only for a
+    fuse: concatenate the same-input projections (models/qwen3_5/fuse.py) after sharding; False only for a
     caller that shards the TP-1 model itself (export) and fuses each rank afterwards.
     allow_unused: load even if the checkpoint holds tensors the model does not consume (logged);
-    without it they are refused (graphs/weights.py), as is a quantization_config it cannot read.
-    mtp: also load the checkpoint's MTP head (`mtp.*`) as `model.mtp` (graphs/mtp.py; TP-1 only, never
+    without it they are refused (checkpoint/weights.py), as is a quantization_config it cannot read.
+    mtp: also load the checkpoint's MTP head (`mtp.*`) as `model.mtp` (models/qwen3_5/mtp.py; TP-1 only, never
     exported); without it those keys are skipped.
-    quant (graphs/quant.py SCHEMES): the weight format of the dense projections. None: as the checkpoint (an
+    quant (checkpoint/quant.py SCHEMES): the weight format of the dense projections. None: as the checkpoint (an
     FP8 / compressed-tensors checkpoint's quantized projections stay quantized, its other quantized weights
     are dequantized); "none": every weight in `dtype` (a quantized checkpoint dequantized); "fp8" | "int8" |
     "fp8-channel": a float checkpoint's projections are quantized so, a checkpoint of that scheme kept as it

@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .config import ModelConfig
-from .qwen3_5 import DecoderLayer, RMSNorm
-from .tp import local_dims
+from onegraph.models.qwen3_5.config import ModelConfig
+from onegraph.models.qwen3_5.model import DecoderLayer, RMSNorm
+from onegraph.models.qwen3_5.tp import local_dims
 
 
 class MtpHead(nn.Module):

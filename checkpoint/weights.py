@@ -5,8 +5,8 @@ Handles: single file or sharded (`model.safetensors.index.json`); key prefixes
 (`mlp.experts.E.{gate,up,down}_proj.weight`, fused here) or already fused (`gate_up_proj`,
 `down_proj`). A missing tensor or a shape mismatch raises LoadError naming the key and both shapes.
 
-Quantized checkpoints: `quant_method: fp8` (graphs/quant.py has the format): each e4m3 `X.weight` comes
-with its `X.weight_scale_inv` block scales; `quant_method: compressed-tensors` (graphs/quant_ct.py: FP8 or
+Quantized checkpoints: `quant_method: fp8` (checkpoint/quant.py has the format): each e4m3 `X.weight` comes
+with its `X.weight_scale_inv` block scales; `quant_method: compressed-tensors` (checkpoint/quant_ct.py: FP8 or
 INT8 per-channel W8A8): each int8 / e4m3 `X.weight` with its `X.weight_scale` [N, 1]. A quantized parameter
 (a projection the model runs quantized) takes both as they are, a float parameter takes the weight
 dequantized at load (quant.dequantize_unheld).
@@ -34,7 +34,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from . import quant, quant_ct
+from onegraph.checkpoint import quant
+
+from onegraph.checkpoint import quant_ct
 
 log = logging.getLogger("onegraph.weights")
 # quant_method values (config.json `quantization_config`) this loader has a dequantization rule for
@@ -62,7 +64,7 @@ def dtype_name(st_dtype: str) -> str:
 
 def check_quantization(hf: dict) -> str | None:
     """A `quantization_config` (top level or in `text_config`) with an unsupported quant_method (or fields
-    the loader does not read exactly) -> LoadError; else its scheme (graphs/quant.py SCHEMES: "fp8" for
+    the loader does not read exactly) -> LoadError; else its scheme (checkpoint/quant.py SCHEMES: "fp8" for
     quant_method fp8, "fp8-channel" | "int8" for compressed-tensors; None: unquantized)."""
     text = hf.get("text_config")
     found = None
@@ -270,7 +272,7 @@ def load_into(model: torch.nn.Module, path: str | Path, dtype: torch.dtype, allo
               quant_method: str | None = None) -> None:
     """Fill every parameter of `model` from the checkpoint at `path`, cast to dtype; strict (see the module
     docstring: allow_unused only lets tensors that nothing consumes through, logged). FP8 parameters
-    (graphs/quant.py make_quantized) take their quantized weight and fp32 scales as they are."""
+    (checkpoint/quant.py make_quantized) take their quantized weight and fp32 scales as they are."""
     expected = dict(model.named_parameters())
     c = census(path, expected, tied_lm_head="lm_head.weight" not in expected, quant_method=quant_method)
     c.check(allow_unused)
