@@ -1,4 +1,5 @@
-"""load_model: an HF-format directory (or the builtin `tiny`) -> (ModelConfig, Qwen35Model)."""
+"""load_model: an HF-format directory (or the builtin `tiny`) -> (its family's config, its family's model).
+The family comes from config.json's `model_type` (models/__init__.py family_of); nothing here names a model."""
 from __future__ import annotations
 
 import atexit
@@ -9,14 +10,11 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from onegraph.checkpoint import quant as quantfmt
-from onegraph.models.qwen3_5.config import ModelConfig
-from onegraph.models.qwen3_5.fuse import fuse_projections
-from onegraph.models.qwen3_5.mtp import attach_mtp
-from onegraph.models.qwen3_5.model import Qwen35Model
-from onegraph.models.qwen3_5.tp import check_divisible, shard_state_dict
 from onegraph.checkpoint.weights import Census, LoadError, census, check_quantization, fp8_weights, load_into
+from onegraph.models import Family, family_of
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -50,10 +48,23 @@ def model_dir(spec: str | Path) -> Path:
     return path
 
 
-def read_config(path: Path) -> ModelConfig:
-    """config.json -> ModelConfig, after refusing a quantization the loader cannot dequantize."""
+def hf_config(path: Path) -> dict:
+    file = path / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"no config.json at {file}")
+    return json.loads(file.read_text())
+
+
+def read_config(path: Path):
+    """config.json -> its family's config, after refusing a quantization the loader cannot dequantize."""
     quant_method(path)
-    return ModelConfig.from_file(path)
+    hf = hf_config(path)
+    return family_of(hf.get("model_type")).config.from_hf(hf)
+
+
+def family(cfg) -> Family:
+    """The family of a config (its text model_type)."""
+    return family_of(cfg.model_type)
 
 
 def quant_method(path: Path) -> str | None:
@@ -62,13 +73,13 @@ def quant_method(path: Path) -> str | None:
     return check_quantization(json.loads(file.read_text())) if file.is_file() else None
 
 
-def meta_model(cfg: ModelConfig, fp32_reduce: bool = False) -> Qwen35Model:
+def meta_model(cfg, fp32_reduce: bool = False) -> nn.Module:
     """The TP-1 model on the meta device: its parameter names and shapes, no memory."""
     with torch.device("meta"):
-        return Qwen35Model(cfg, fp32_reduce=fp32_reduce)
+        return family(cfg).model(cfg, fp32_reduce=fp32_reduce)
 
 
-def check_checkpoint(spec: str | Path) -> tuple[ModelConfig, Census]:
+def check_checkpoint(spec: str | Path) -> tuple[object, Census]:
     """What load_model would read, from config.json and the safetensors headers only (no weight is read):
     -> (cfg, census); a quantization_config it cannot dequantize raises LoadError here. The caller runs
     census.check(allow_unused) for the tensor-level refusals."""
@@ -90,7 +101,8 @@ def describe_checkpoint(spec: str | Path) -> tuple[str, LoadError | None]:
         refusal = None
     except LoadError as e:
         method, refusal = None, e
-    cfg = ModelConfig.from_file(path)
+    hf = hf_config(path)
+    cfg = family_of(hf.get("model_type")).config.from_hf(hf)
     params = dict(meta_model(cfg).named_parameters())
     c = census(path, params, tied_lm_head="lm_head.weight" not in params, quant_method=method)
     lines = [f"checkpoint {path}",
@@ -126,19 +138,22 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: s
     is, a checkpoint quantized otherwise refused (quant.resolve)."""
     path = model_dir(spec)
     cfg = read_config(path)
+    fam = family(cfg)
     method = quant_method(path)
     try:
         scheme = quantfmt.resolve(method, quant)
     except quantfmt.QuantError as e:
         raise LoadError(str(e)) from None
     if tp != 1:
-        check_divisible(cfg, tp)                     # fail before reading any weights
+        fam.check_divisible(cfg, tp)                 # fail before reading any weights
         if scheme:
             raise ValueError(f"quantized weights ({scheme}) with tp > 1 are not supported yet (the head split does "
                              f"not follow the scales); load with quant='none' (dequantized) or tp=1")
     model = meta_model(cfg, fp32_reduce)
     if mtp:
-        attach_mtp(model, path, tp)
+        if fam.attach_mtp is None:
+            raise LoadError(f"model family {fam.name} has no MTP head: speculation is not available for it")
+        fam.attach_mtp(model, path, tp)
     if scheme and method == scheme:                  # the checkpoint's quantized projections load as they are
         sch = quantfmt.SCHEMES[scheme]
         held = fp8_weights(path, sch.st_dtype)
@@ -148,7 +163,7 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: s
         if sch.block:                                # e4m3 experts + shared expert: onegraph::fused_moe_fp8
             quantfmt.make_fp8_moes(model, held)
     model.to_empty(device="cpu")
-    model.inv_freq.copy_(Qwen35Model.rope_inv_freq(cfg))
+    model.inv_freq.copy_(fam.model.rope_inv_freq(cfg))
     load_into(model, path, resolve_dtype(dtype), allow_unused, quant_method=method)
     if scheme and method is None:
         n = quantfmt.quantize_model(model, scheme)
@@ -157,17 +172,17 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: s
     if tp != 1:
         model = shard_model(model, rank, tp, group)
     if fuse:
-        fuse_projections(model)
+        fam.fuse_projections(model)
     return cfg, model.to(device).eval(), path
 
 
-def shard_model(model: Qwen35Model, rank: int, tp: int, group=None) -> Qwen35Model:
-    """A TP-1 model -> a Qwen35Model(cfg, tp, group) holding rank `rank`'s shard of its weights.
+def shard_model(model: nn.Module, rank: int, tp: int, group=None) -> nn.Module:
+    """A TP-1 model -> the same family's model(cfg, tp, group) holding rank `rank`'s shard of its weights.
     (Reads the whole checkpoint first: fine for what fits one host's memory.)"""
     cfg = model.cfg
-    sd = shard_state_dict({n: p.detach() for n, p in model.named_parameters()}, cfg, rank, tp)
+    sd = family(cfg).shard_state_dict({n: p.detach() for n, p in model.named_parameters()}, cfg, rank, tp)
     with torch.device("meta"):
-        out = Qwen35Model(cfg, tp, group, model.fp32_reduce)
+        out = type(model)(cfg, tp, group, model.fp32_reduce)
     own = {}
     for name, p in out.named_parameters():
         t = sd.pop(name)                 # popped: a sliced copy is freed once cloned below

@@ -49,6 +49,7 @@ import re
 
 import torch
 
+from onegraph.checkpoint.experts import group_experts
 from onegraph.custom_ops.linear_fp8 import dequantize_blocks as dequantize  # the op reference's own rule
 from onegraph.custom_ops.linear_fp8 import expand_scale
 
@@ -72,6 +73,12 @@ class Scheme:
     st_dtype: str
     scale: str
     describe: str
+
+    @property
+    def w8a8(self) -> bool:
+        """Activations quantized per row inside the graph (W8A8), not weight-only: the parity fixture widens
+        its logit tolerance for these (runtime/fixture.py)."""
+        return self.scale == CHANNEL_SCALE
 
     @property
     def block(self) -> bool:
@@ -240,7 +247,6 @@ def fuse_expert_scales(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     """Per-expert `...experts.E.{gate,up,down}_proj.weight_scale_inv` (of experts kept e4m3) -> the fused
     experts.gate_up_proj_scale_inv [E, 2*ceil(I/128), ceil(H/128)] and experts.down_proj_scale_inv; the other
     tensors unchanged (the weights are fused by checkpoint/weights.py fuse_experts as float ones are)."""
-    from onegraph.checkpoint.weights import group_experts          # weights.py imports this module
     per, out = group_experts(tensors, lambda k: EXPERT_KEY.match(k[: -len("_scale_inv")])
                              if k.endswith("." + SCALE) else None)
     for prefix, experts in per.items():

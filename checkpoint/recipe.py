@@ -20,8 +20,7 @@ from pathlib import Path
 
 import torch
 
-from onegraph.models.qwen3_5.fuse import fuse_projections
-from onegraph.checkpoint.load import load_model, shard_model
+from onegraph.checkpoint.load import family, load_model, shard_model
 from onegraph.checkpoint.weights import _files
 
 RECIPE = "onegraph.checkpoint.recipe v1"      # recorded; a runtime refuses a recipe it does not implement
@@ -43,7 +42,9 @@ def load_tp1(spec: str | Path, recipe: dict, device: str | torch.device = "cpu")
 
 def rank_model(model, rank: int, tp: int):
     """Rank `rank`'s model (the TP-1 model itself at tp 1), its same-input projections concatenated."""
-    return fuse_projections(model if tp == 1 else shard_model(model, rank, tp))
+    out = model if tp == 1 else shard_model(model, rank, tp)
+    family(model.cfg).fuse_projections(out)
+    return out
 
 
 def state_tensors(model) -> dict[str, torch.Tensor]:

@@ -34,9 +34,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from onegraph.checkpoint import quant
-
-from onegraph.checkpoint import quant_ct
+from onegraph.checkpoint import quant, quant_ct
+from onegraph.checkpoint.experts import group_experts
 
 log = logging.getLogger("onegraph.weights")
 # quant_method values (config.json `quantization_config`) this loader has a dequantization rule for
@@ -234,20 +233,6 @@ def read_checkpoint(c: Census) -> dict[str, torch.Tensor]:
                 if key in c.consumed:
                     out[c.consumed[key]] = sf.get_tensor(key)
     return out
-
-
-def group_experts(tensors: dict[str, torch.Tensor], match) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Split tensors by match(key) (a regex match of (prefix, expert index, gate|up|down), or None) ->
-    ({prefix: {expert: {part: tensor}}}, the tensors that did not match)."""
-    per: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    out = {}
-    for k, v in tensors.items():
-        m = match(k)
-        if m:
-            per.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = v
-        else:
-            out[k] = v
-    return per, out
 
 
 def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

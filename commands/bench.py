@@ -103,9 +103,9 @@ def _tp_init(args) -> tuple[int, int]:
     side is built from them); under torchrun it must exist and be exported for exactly this many ranks
     (bench does not export per rank)."""
     from onegraph.runtime import ranks
-    from onegraph.runtime.artifact import load_manifest
+    from onegraph.runtime.artifact import is_artifact, load_manifest, tp_size
     m = None
-    if args.artifact and (Path(args.artifact) / "manifest.json").is_file():
+    if args.artifact and is_artifact(args.artifact):
         m = load_manifest(args.artifact, None)
         if (m["dtype"], m["device"]["type"]) != (args.dtype, torch.device(args.device).type):
             raise BenchError(f"artifact {args.artifact} is {m['dtype']} on {m['device']['type']}: pass --dtype "
@@ -116,7 +116,7 @@ def _tp_init(args) -> tuple[int, int]:
         raise BenchError("under torchrun, bench replays an exported tensor-parallel artifact: pass --artifact DIR "
                          "(onegraph export MODEL --tp N --out DIR)")
     rank, world = ranks.init_from_torchrun(m["device"]["type"])
-    tp = m.get("tp", {}).get("size", 1)
+    tp = tp_size(m)
     if tp != world:
         ranks.leave()
         raise BenchError(f"artifact {args.artifact} is exported for tp={tp}, launched with {world} ranks")
@@ -128,6 +128,7 @@ def run(args) -> dict | None:
     from onegraph.export.pipeline import ExportOptions, export
     from onegraph.checkpoint.load import load_model, model_dir
     from onegraph.runtime import ranks
+    from onegraph.runtime.artifact import is_artifact
     from onegraph.runtime.executor import GraphExecutor
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -136,7 +137,7 @@ def run(args) -> dict | None:
     batch = tuple(sorted(set(args.batch_sizes)))
     artifact = Path(args.artifact) if args.artifact else Path(tempfile.mkdtemp(prefix="onegraph-bench-")) / "art"
     t = time.time()
-    if not (artifact / "manifest.json").is_file():
+    if not is_artifact(artifact):
         export(str(src), artifact, ExportOptions(device=args.device, dtype=args.dtype, batch_sizes=batch,
                                                  prefill_chunks=(args.prefill_chunk,), max_seq_len=args.max_seq_len),
                progress=not args.quiet)

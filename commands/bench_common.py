@@ -1,4 +1,4 @@
-"""What the bench tools share (bench.py, bench_big.py, bench_big_spec.py, bench_ops.py, bench_pdl.py), so none
+"""What the bench tools share (commands/bench.py and the scripts/ that measure), so none
 imports another for it: a result printed and written as JSON, a device sync for timers, a captured graph's
 replay time, the weight and state bytes a decode step moves, the kernel-name regions of a profiled decode step, transformers' decode time, and a random
 model of a known shape (bench_symbolic_batch.py, bench_lower_set.py)."""

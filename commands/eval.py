@@ -86,11 +86,11 @@ def executor(spec: str, ctx: int, batch: int | None, dtype: str | None, device: 
              quant: str | None = None):
     """-> (GraphExecutor, rows per step, tokenizer dir, mode, dtype name) for a model or an artifact."""
     from onegraph.runtime.executor import GraphExecutor
-    if (Path(spec) / "manifest.json").is_file():
-        from onegraph.runtime.artifact import Artifact
+    from onegraph.runtime.artifact import Artifact, is_artifact
+    if is_artifact(spec):
         art = Artifact.load(spec, device, defer_sha256=True)      # checkpoint hashed as the executor reads it
         m = art.manifest
-        if m.get("tp", {}).get("size", 1) != 1:
+        if art.tp != 1:
             raise EvalError(f"{spec} is a tensor-parallel artifact; eval runs TP-1 artifacts")
         if quant is not None:
             raise EvalError(f"--quant applies to a model; the artifact {spec} runs the weights it was exported with "
@@ -152,6 +152,7 @@ def add_args(p) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="a model's dtype (default float32); an artifact runs in the dtype it was exported with")
     p.add_argument("--device", default=None, help="default: cpu eager, an artifact's export device")
-    p.add_argument("--quant", default=None, choices=["none", "fp8", "int8", "fp8-channel"],
+    from onegraph.checkpoint.quant import QUANT_CHOICES
+    p.add_argument("--quant", default=None, choices=QUANT_CHOICES,
                    help="a model's projection weights (as `export --quant`; default: as the checkpoint)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -45,7 +45,8 @@ from onegraph.custom_ops.sample import Sampling
 
 from onegraph.models.qwen3_5.config import ModelConfig
 from onegraph.graphs.eager import i64
-from onegraph.models.qwen3_5.model import Qwen35Model, StateTensor, new_state, ops
+from onegraph.models.qwen3_5.model import Qwen35Model, new_state, ops
+from onegraph.models.state import StateTensor
 
 MAX_SPECULATIVE_TOKENS = 4
 
@@ -62,7 +63,7 @@ def mtp_state_spec(cfg: ModelConfig, num_layers: int, slots: int, max_seq_len: i
     kv = (slots + 1, cfg.num_kv_heads, max_seq_len, cfg.head_dim)
     spec = []
     for i in range(num_layers):
-        spec += [StateTensor(f"mtp{i}.k_cache", kv, dtype), StateTensor(f"mtp{i}.v_cache", kv, dtype)]
+        spec += [StateTensor(f"mtp{i}.k_cache", kv, dtype, "kv"), StateTensor(f"mtp{i}.v_cache", kv, dtype, "kv")]
     return spec
 
 

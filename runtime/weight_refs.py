@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .artifact import ArtifactError, sha256_file
+from .files import ArtifactError, sha256_file
 
 
 def checkpoint_dir(ref: dict) -> Path:

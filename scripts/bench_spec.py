@@ -112,7 +112,7 @@ def bench_model(spec: str, prompts: list[list[int]], ks: list[int], max_new: int
 
 
 def add_run_args(ap: argparse.ArgumentParser) -> None:
-    """The options both speculation benchmarks take (this one eager, bench_spec_graphs over artifacts)."""
+    """The options both speculation benchmarks take (this one eager; benchmarks/cpu_tiny_spec.json records the artifacts' one)."""
     ap.add_argument("--prompts", type=Path, default=HELDOUT_TEXT)
     ap.add_argument("--n-prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)

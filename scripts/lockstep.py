@@ -37,7 +37,7 @@ def eager_twin(ex):
     from onegraph.runtime.executor import GraphExecutor
     m = ex.artifact.manifest
     with torch.device("meta"):
-        model = Qwen35Model(ModelConfig.from_dict(m["model"]), m.get("tp", {}).get("size", 1),
+        model = Qwen35Model(ModelConfig.from_dict(m["model"]), ex.artifact.tp,
                             fp32_reduce=m["options"].get("fp32_reduce", False))
     fuse_projections(model)                      # the artifact's weights are the concatenated projections
     weights = {k.removeprefix("model."): v for k, v in ex.artifact.load_weights(ex.device).items()}

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from onegraph.custom_ops.sample import Sampling
+from onegraph.runtime.artifact import Artifact
 
 K = 3
 MAX_SEQ = 192
@@ -54,6 +55,11 @@ def test_manifest_and_graphs(spec_artifact):
     assert sorted(m["graphs"]) == ["decode_b2", "prefill_t16", "spec_b2"]
     names = [t["name"] for t in m["state"]]
     assert names[-4:] == ["mtp0.k_cache", "mtp0.v_cache", "spec.y", "spec.pos"]
+    # every state tensor carries its kind; Artifact.state_tensors reads them typed
+    kinds = {t["name"]: t["kind"] for t in m["state"]}
+    assert [kinds[n] for n in names[-4:]] == ["kv", "kv", "spec", "spec"]
+    assert {kinds["layer0.conv"], kinds["layer0.rec"], kinds["layer3.k_cache"]} == {"conv", "recurrent", "kv"}
+    assert [t.kind for t in Artifact.load(spec_artifact).state_tensors] == [kinds[n] for n in names]
     assert not any(i["name"].startswith(("mtp", "spec.")) for i in m["graphs"]["decode_b2"]["inputs"])
     assert m["graphs"]["spec_b2"]["outputs"] == ["next_ids", "n_accepted", "targets", "drafts"]
 

@@ -257,10 +257,10 @@ def _moe_down_kernel(logits, down, sh_down, act, act_sh, route_w, route_i, y,
 
 # Tile sizes and warps: kernel 1 reads [BI1, BH1] tiles of gate and of up per step, kernel 2 [k, BH2, BI2]
 # tiles of down. From `python -m onegraph.scripts.tune_moe --batches 1 --copies 6` on the H200 (35B shape, B = 1,
-# each call on its own weights, benchmarks/h200_moe_tiles.json, measured before the down kernel also loaded
-# the shared expert first and the routing from kernel 1): swiglu (4, 256, 4); down (4, 256, 2) was 28.9 us for
-# the whole op and (4, 128, 4) 29.3, but the down kernel of today spills at (4, 256, 2) (255 registers, 16 bytes
-# at sm_90; compile_check), so it takes (4, 128, 4): 78 registers, no spills. Re-tune on the GPU.
+# each call on its own weights, benchmarks/h200_moe_tiles.json, a down kernel without the shared expert and the
+# routing of kernel 1): swiglu (4, 256, 4); down (4, 256, 2) 28.9 us for the whole op and (4, 128, 4) 29.3. The
+# down kernel spills at (4, 256, 2) (255 registers, 16 bytes at sm_90; compile_check), so it takes (4, 128, 4):
+# 78 registers, no spills. Re-tune on the GPU.
 BI1, BH1, W1 = 4, 256, 4
 BH2, BI2, W2 = 4, 128, 4
 # One token (the batch-1 decode step): every program loads its rows in as few tiles as fit its registers, so all
@@ -268,7 +268,7 @@ BH2, BI2, W2 = 4, 128, 4
 # step: these loads do not feed a tl.dot, and the compiler does not pipeline them). H200, each call on its own
 # weights and router logits, 12 calls per replayed CUDA graph (benchmarks/h200_moe_bs1_tiles.json): SwiGLU
 # (2, 2048, 2) 12.4 us where (4, 256, 4) took 15.5 (37.7 MB: 71 % of copy bandwidth against 57 %; the
-# in-kernel routing is no longer its critical path: routed in, the same tile took 11.7); down (1, 256, 4) 7.4 us
+# in-kernel routing is off its critical path: routed in, the same tile takes 11.7); down (1, 256, 4) 7.4 us
 # against 8.3 (18.9 MB).
 SWIGLU_ONE = (2, 2048, 2)
 DOWN_ONE = (1, 256, 4)

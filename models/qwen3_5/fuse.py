@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from onegraph.checkpoint.quant import BLOCK, FP8
+from onegraph.models.qwen3_5.linear import Linear
 
 # module attribute -> (fused name, the parts in order)
 FUSED = {"linear_attn": ("in_proj", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")),
@@ -75,7 +76,6 @@ def runs(lins: list) -> list[list]:
 
 
 def _concat(lins: list) -> nn.Module:
-    from onegraph.models.qwen3_5.model import Linear
     if len(lins) == 1:
         return lins[0]
     w = torch.cat([lin.weight for lin in lins])

@@ -34,18 +34,13 @@ from torch import nn
 from onegraph import custom_ops  # noqa: F401  (registers torch.ops.onegraph)
 
 from onegraph.models.qwen3_5.config import ModelConfig
+from onegraph.models.state import StateTensor
 from onegraph.models.qwen3_5.fuse import ConcatProj
+from onegraph.models.qwen3_5.linear import Linear
 from onegraph.models.qwen3_5.tp import LocalDims, local_dims
 
 ops = torch.ops.onegraph
 GDN_CHUNK = 64
-
-
-@dataclasses.dataclass(frozen=True)
-class StateTensor:
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
 
 
 def state_spec(cfg: ModelConfig, slots: int, max_seq_len: int, dtype: torch.dtype, tp: int = 1) -> list[StateTensor]:
@@ -56,11 +51,11 @@ def state_spec(cfg: ModelConfig, slots: int, max_seq_len: int, dtype: torch.dtyp
     for i, kind in enumerate(cfg.layer_types):
         if kind == "full_attention":
             kv = (S, d.num_kv_heads, max_seq_len, cfg.head_dim)
-            spec += [StateTensor(f"layer{i}.k_cache", kv, dtype), StateTensor(f"layer{i}.v_cache", kv, dtype)]
+            spec += [StateTensor(f"layer{i}.k_cache", kv, dtype, "kv"), StateTensor(f"layer{i}.v_cache", kv, dtype, "kv")]
         else:
-            spec += [StateTensor(f"layer{i}.conv", (S, d.conv_dim, cfg.conv_kernel - 1), dtype),
+            spec += [StateTensor(f"layer{i}.conv", (S, d.conv_dim, cfg.conv_kernel - 1), dtype, "conv"),
                      StateTensor(f"layer{i}.rec", (S, d.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim),
-                                 torch.float32)]
+                                 torch.float32, "recurrent")]
     return spec
 
 
@@ -69,28 +64,6 @@ def new_state(cfg: ModelConfig, slots: int, max_seq_len: int, dtype: torch.dtype
     # zeros, never empty: padding rows read the scratch slot and NaN garbage would leak
     return [torch.zeros(t.shape, dtype=t.dtype, device=device)
             for t in state_spec(cfg, slots, max_seq_len, dtype, tp)]
-
-
-class Linear(nn.Linear):
-    """A projection through onegraph::linear (a GEMV at decode sizes on CUDA). x [N, in] -> [N, out].
-    FP8 (checkpoint/quant.py make_fp8): weight [out, in] float8_e4m3fn and weight_scale_inv
-    [ceil(out/128), ceil(in/128)] fp32, through onegraph::linear_fp8 (weight-only: x stays as it is).
-    W8A8 (checkpoint/quant.py make_w8a8): weight [out, in] int8 or float8_e4m3fn and weight_scale [out, 1] fp32,
-    through onegraph::linear_w8a8_int8 / linear_w8a8_fp8 (x quantized per row inside the op)."""
-
-    def forward(self, x):
-        if self.weight.dtype in (torch.float8_e4m3fn, torch.int8):
-            # RowLinear's fp32_out: an fp32 x makes the op return its fp32 accumulation unrounded
-            x = x.float() if getattr(self, "fp32_out", False) else x
-            if self.weight.dtype == torch.int8:
-                y = ops.linear_w8a8_int8(x, self.weight, self.weight_scale)
-            elif hasattr(self, "weight_scale"):
-                y = ops.linear_w8a8_fp8(x, self.weight, self.weight_scale)
-            else:
-                y = ops.linear_fp8(x, self.weight, self.weight_scale_inv)
-        else:
-            y = ops.linear(x, self.weight)
-        return y if self.bias is None else y + self.bias
 
 
 def _linear(n_in, n_out, bias=False):
