@@ -69,18 +69,22 @@ def add_allow_unused_arg(p: argparse.ArgumentParser) -> None:
 def check_sampling(args) -> None:
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
-        raise UserError("need --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
+    from onegraph.custom_ops.sample import check_sampling as check     # the engine's own check, once
+    try:
+        check(args.temperature, args.top_k, args.top_p, args.seed)
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def cmd_init_tiny(args) -> int:
-    from onegraph.graphs.tiny import write_tiny
+    from onegraph.models.qwen3_5.tiny import write_tiny
     print(write_tiny(args.dir))
     return 0
 
 
 def is_artifact(path: str) -> bool:
-    return (Path(path) / "manifest.json").is_file()
+    from onegraph.runtime.artifact import is_artifact as has_manifest
+    return has_manifest(path)
 
 
 def parse_buckets(text: str, flag: str) -> tuple[int, ...]:
@@ -135,7 +139,7 @@ def cmd_inspect(args) -> int:
     if args.artifact != "tiny" and not (Path(args.artifact) / "config.json").is_file():
         raise UserError(f"{args.artifact} is neither an onegraph artifact (no manifest.json) nor a checkpoint "
                         f"directory (no config.json)")
-    from onegraph.graphs.load import describe_checkpoint
+    from onegraph.checkpoint.load import describe_checkpoint
     text, refusal = describe_checkpoint(args.artifact)
     print(text, flush=True)
     if refusal is not None:
@@ -147,13 +151,13 @@ def memory_text(path: Path) -> str:
     """inspect's memory lines: bytes per slot at the artifact's max_seq_len, and with this machine's free
     memory on the artifact's device the largest --max-slots that fits (runtime/memory.py)."""
     import torch
-    from onegraph.runtime import memory
-    m = json.loads((path / "manifest.json").read_text())
+    from onegraph.runtime import artifact, memory
+    m = artifact.manifest_unverified(path)
     dev = torch.device(m["device"]["type"])
     need = memory.needed_bytes(path, m, 0, dev.type)
     lines = [f"memory: {need['state_per_slot']} bytes ({need['state_per_slot'] / memory.MIB:.2f} MiB) of state per "
              f"slot at max_seq_len {m['max_seq_len']}; weights {memory.size(need['weights'])}"
-             + (" per rank" if m.get("tp", {}).get("size", 1) > 1 else "")
+             + (" per rank" if artifact.tp_size(m) > 1 else "")
              + f"; workspace estimate {memory.size(need['workspace'])}"]
     if dev.type == "cuda" and not torch.cuda.is_available():
         lines.append("  no CUDA device here: run inspect on the serving machine for the largest --max-slots")
@@ -168,7 +172,7 @@ def memory_text(path: Path) -> str:
 
 
 def cmd_eval(args) -> int:
-    from onegraph.tools.eval import evaluate
+    from onegraph.commands.eval import evaluate
     res = evaluate(args.model, args.text, args.max_tokens, args.ctx, args.batch, args.dtype, args.device,
                    progress=True, quant=args.quant, fp8_lm_head=args.fp8_lm_head)
     if args.json:
@@ -217,7 +221,7 @@ def cmd_generate(args) -> int:
     import torch
     from onegraph.custom_ops.sample import Sampling
     from onegraph.graphs.eager import generate_eager
-    from onegraph.graphs.load import load_model
+    from onegraph.checkpoint.load import load_model
     if is_artifact(args.model):
         raise UserError(f"{args.model} is an exported artifact: drop --eager to run its graphs")
     cfg, model, model_dir = load_model(args.model, args.dtype, fp32_reduce=args.fp32_reduce,
@@ -234,11 +238,11 @@ def cmd_generate(args) -> int:
 def lead_or_follow(args, artifact: str, max_slots: int):
     """The verified Artifact on the rank that runs the engine -> (Artifact, None); under torchrun ranks > 0
     replay rank 0's steps until it stops (runtime/ranks.py) -> (None, their exit code)."""
-    from onegraph.runtime import ranks
+    from onegraph.runtime import launch, ranks
     if args.tp_timeout <= 0 and ranks.launched_by_torchrun():
         raise UserError(f"--tp-timeout must be > 0 seconds, got {args.tp_timeout}")
     try:
-        art = ranks.lead_or_follow(artifact, max_slots, args.device, args.cuda_graphs, args.tp_timeout)
+        art = launch.lead_or_follow(artifact, max_slots, args.device, args.cuda_graphs, args.tp_timeout)
     except ranks.FollowerError as e:   # rank 0 exited or stopped answering: one line, not a traceback
         print(f"onegraph {args.cmd}: error: {e}", file=sys.stderr)
         return None, 1
@@ -367,7 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="row-parallel projections (o_proj, out_proj, MoE/MLP down) keep their fp32 sums through the "
                         "TP all-reduce and round once: bf16 ids then do not depend on --tp (export every TP degree "
                         "you compare with it, TP-1 included)")
-    p.add_argument("--quant", default="auto", choices=["auto", "none", "fp8", "int8", "fp8-channel"],
+    from onegraph.checkpoint.quant import QUANT_CHOICES
+    p.add_argument("--quant", default="auto", choices=("auto", *QUANT_CHOICES),
                    help="dense projections' weights in the artifact (README Quantization): auto (default: as the "
                         "checkpoint), none (--dtype; a quantized checkpoint is dequantized), fp8 (e4m3, 128x128 "
                         "block scales, weight-only), int8 (W8A8: per-channel int8 weights, int8 activations per "
@@ -397,15 +402,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_export)
 
     p = sub.add_parser("bench", help="decode speed: replayed graphs vs eager (vs transformers), JSON out")
-    from onegraph.tools.bench import add_args as bench_args
+    from onegraph.commands.bench import add_args as bench_args
     bench_args(p)
-    p.set_defaults(fn=lambda a: __import__("onegraph.tools.bench", fromlist=["main"]).main(a))
+    p.set_defaults(fn=lambda a: __import__("onegraph.commands.bench", fromlist=["main"]).main(a))
 
     p = sub.add_parser("bench-serve", help="serving benchmark of any OpenAI-compatible server: streamed "
                        "requests at a concurrency or a Poisson rate; tok/s, TTFT, TPOT, ITL; JSON + PNG out")
-    from onegraph.tools.bench_serve import add_args as bench_serve_args
+    from onegraph.commands.bench_serve import add_args as bench_serve_args
     bench_serve_args(p)
-    p.set_defaults(fn=lambda a: __import__("onegraph.tools.bench_serve", fromlist=["main"]).main(a))
+    p.set_defaults(fn=lambda a: __import__("onegraph.commands.bench_serve", fromlist=["main"]).main(a))
 
     p = sub.add_parser("inspect", help="print an artifact's manifest summary and per-graph op counts, or a "
                        "checkpoint directory's config, tensor census and whether it loads")
@@ -413,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_inspect)
 
     p = sub.add_parser("eval", help="bits per byte and perplexity of a model or an artifact on a text (teacher-forced)")
-    from onegraph.tools.eval import add_args as eval_args
+    from onegraph.commands.eval import add_args as eval_args
     eval_args(p)
     p.set_defaults(fn=cmd_eval)
 

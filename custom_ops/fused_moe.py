@@ -2,7 +2,7 @@
 weighted combine, and the shared expert with its sigmoid gate.
 
 x [T, H]; logits [T, E + 1] in x.dtype: x @ [router_w; shared_gate_w].T, the E router logits then the
-shared expert's gate logit (one projection, graphs/qwen3_5.py SparseMoe: at decode it is the GEMV that
+shared expert's gate logit (one projection, models/qwen3_5/model.py SparseMoe: at decode it is the GEMV that
 also applies the post-attention RMSNorm, custom_ops/add_rms_norm_linear.py, so the MoE block needs no
 norm kernel and no GEMV of its own); gate_up [E, 2I, H] (gate rows first, then up); down [E, H, I];
 shared_gate [Is, H]; shared_up [Is, H]; shared_down [H, Is]; top_k; fp32_out.
@@ -14,7 +14,7 @@ fp32_out: everything up to the SwiGLU activations is unchanged (rounded to x.dty
 down projections, their weighting, the expert sum and the gated shared expert stay in fp32 and are
 returned unrounded. Under tensor parallel each rank's output is a partial sum over its slice of the
 intermediate dim; summing fp32 partials and rounding once makes the result independent of the TP
-degree (graphs/qwen3_5.py `fp32_reduce`), where per-rank bf16 outputs would round differently per TP.
+degree (models/qwen3_5/model.py `fp32_reduce`), where per-rank bf16 outputs would round differently per TP.
 The reference reads only the selected experts' weights when T*top_k <= E (decode), and loops over
 all experts with a per-token weight otherwise (prefill): both are static, traceable graphs.
 """

@@ -4,7 +4,7 @@ x [M, K], w [N, K] (same dtype) -> y [M, N].
 Reference: F.linear, so a CPU artifact (decomposed to aten) and the eager model compute exactly what
 they did before this op existed. CUDA lowering (custom_ops/triton/linear.py): at decode sizes
 (M <= GEMV_MAX_M) a Triton GEMV whose tile depends on (M, K) only, never on N, so a weight
-concatenated along N (graphs/fuse.py) gives each output column the very sum the separate weight gave;
+concatenated along N (models/qwen3_5/fuse.py) gives each output column the very sum the separate weight gave;
 above that, the aten GEMM (cuBLAS), which is at bandwidth or compute bound there.
 """
 import torch

@@ -1,7 +1,7 @@
 """linear_f32: y = x @ w.T accumulated and returned in fp32, unrounded.
 
 x [N, K], w [M, K] (both the model dtype) -> y [N, M] fp32.
-Used by the row-parallel projections of graphs/qwen3_5.py under `fp32_reduce`: their partial sums are
+Used by the row-parallel projections of models/qwen3_5/model.py under `fp32_reduce`: their partial sums are
 all-reduced in fp32 and rounded to the model dtype once, so the result does not depend on the TP degree.
 Reference: upcast both operands and multiply in fp32 (a bf16 or fp16 product is exact in fp32, so this
 IS the fp32 accumulation). CUDA lowering: one GEMM with an fp32 output (aten.mm.dtype, which

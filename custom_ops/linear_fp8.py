@@ -1,7 +1,7 @@
 """linear_fp8: y = x @ dequant(w, scale).T in x.dtype, with block-quantized FP8 weights (weight-only).
 
 x [M, K] bf16/fp16/fp32, w [N, K] float8_e4m3fn, scale [ceil(N/128), ceil(K/128)] fp32 (one multiplier
-per 128x128 block of w: the `weight_scale_inv` of the official -FP8 checkpoints, graphs/quant.py)
+per 128x128 block of w: the `weight_scale_inv` of the official -FP8 checkpoints, checkpoint/quant.py)
 -> y [M, N] x.dtype.
 Reference: dequantize w to fp32 (fp32(q) * scale, exact: an e4m3 value times an fp32 scale is one fp32
 rounding), F.linear in fp32 with x upcast (exact), rounded to x.dtype once. In an fp32 model that is what
@@ -9,7 +9,7 @@ transformers' dequantized model computes (Fp8Dequantize to fp32, then nn.Linear)
 In a bf16 model transformers rounds the dequantized weight to bf16 first (relative 2**-9 per weight) and
 multiplies in bf16; this op keeps the fp32 weight, as the Triton kernel does.
 An fp32 x gives the fp32 accumulation unrounded: the row-parallel projections under `fp32_reduce` call
-it with x.float() (graphs/qwen3_5.py).
+it with x.float() (models/qwen3_5/model.py).
 CPU lowering: the reference traced to aten (AOTInductor fuses the dequantization into the GEMM's input).
 CUDA lowering (custom_ops/triton/linear_fp8.py): one Triton kernel that reads the e4m3 bytes and scales in
 registers — a GEMV tiled by (M, K) only at decode sizes, tl.dot tiles above.

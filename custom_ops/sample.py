@@ -45,6 +45,15 @@ class Sampling:
                 for name, dtype in Sampling.INPUTS]
 
 
+def check_sampling(temperature: float, top_k: int, top_p: float, seed: int | None = None) -> None:
+    """The one check of a request's sampling parameters (the engine, the CLI and the server call it); ValueError
+    names the rule. `not (x >= 0)` also rejects NaN."""
+    if not (temperature >= 0 and 0 <= top_k < 2**31 and 0 < top_p <= 1):
+        raise ValueError("need temperature >= 0, 0 <= top_k < 2^31 and 0 < top_p <= 1")
+    if seed is not None and not -2**63 <= int(seed) < 2**63:
+        raise ValueError(f"seed must fit in int64, got {seed}")
+
+
 def _validate(logits, temperature, top_k, top_p, seed, position):
     if logits.dim() != 2:
         raise ValueError(f"sample logits: expected shape [B, V], got {list(logits.shape)}")

@@ -5,7 +5,7 @@ The key is the sha256 of
   shapes, strides, dtypes, example inputs, source locations), less each node's "from_node"
   provenance, which holds Python object ids and so differs between two traces of one graph; the
   rest is byte-stable across traces and processes (a test re-exports and expects every graph reused),
-- the digest of the rank's weights (graphs/recipe.py tensors_sha256: every tensor's name, dtype, shape
+- the digest of the rank's weights (checkpoint/recipe.py tensors_sha256: every tensor's name, dtype, shape
   and bytes, what its weights file holds; the same whether the artifact copies them or references the
   checkpoint they are made from): Inductor bakes small constants into the code by value (0-d and 1-d
   tensors of up to 8 elements, e.g. `tiny`'s per-head A_log), so the weights are part of what a package

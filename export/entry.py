@@ -1,20 +1,19 @@
-"""The traced entry points: wrapper modules around Qwen35Model.decode / prefill (and, in a speculative
-artifact, graphs/spec_graphs.py's prefill and spec round), and the example inputs (names, shapes, dtypes)
-that trace each graph's signature (graphs/signature.py: state last, the slot dimension S dynamic).
+"""The traced entry points: wrapper modules around a model family's decode / prefill (models/__init__.py;
+in a speculative artifact, graphs/spec_graphs.py's prefill and spec round), and the example inputs (names,
+shapes, dtypes) that trace each graph's signature (graphs/signature.py: state last, the slot dimension S dynamic).
 """
 from __future__ import annotations
 
 import torch
 from torch.export import Dim
 
-from onegraph.graphs.qwen3_5 import Qwen35Model
 from onegraph.graphs.signature import GraphSpec, graph_spec, state_inputs  # noqa: F401  (the signatures: graphs/)
 
 EXPORT_SLOTS = 2          # slots in the example state (S = 3 with scratch); S is dynamic anyway
 
 
 class DecodeEntry(torch.nn.Module):
-    def __init__(self, model: Qwen35Model):
+    def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
 
@@ -23,7 +22,7 @@ class DecodeEntry(torch.nn.Module):
 
 
 class PrefillEntry(torch.nn.Module):
-    def __init__(self, model: Qwen35Model):
+    def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
 
@@ -34,7 +33,7 @@ class PrefillEntry(torch.nn.Module):
 class SpecPrefillEntry(torch.nn.Module):
     """A speculative artifact's prefill: the plain prefill's outputs + the MTP head's catch-up."""
 
-    def __init__(self, model: Qwen35Model):
+    def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
 
@@ -46,7 +45,7 @@ class SpecPrefillEntry(torch.nn.Module):
 class SpecEntry(torch.nn.Module):
     """One speculative round of k drafts (graphs/spec_graphs.py step)."""
 
-    def __init__(self, model: Qwen35Model, k: int):
+    def __init__(self, model: torch.nn.Module, k: int):
         super().__init__()
         self.model, self.k = model, k
 
@@ -68,7 +67,7 @@ def example_inputs(spec: GraphSpec, device) -> tuple:
 
 
 def dynamic_shapes(spec: GraphSpec, batch: Dim | None = None):
-    """The slot dim S of the state is dynamic. batch (a decode graph only; tools/bench_symbolic_batch.py):
+    """The slot dim S of the state is dynamic. batch (a decode graph only; scripts/bench_symbolic_batch.py):
     the head inputs' batch dim B too, one graph for every B in the Dim's range instead of one per bucket."""
     S = Dim("S", min=2, max=1 << 16)
     if batch is not None and spec.kind != "decode":
@@ -77,7 +76,7 @@ def dynamic_shapes(spec: GraphSpec, batch: Dim | None = None):
                   for _, s, _ in spec.inputs),)
 
 
-def entry_module(model: Qwen35Model, kind: str, k: int = 0) -> torch.nn.Module:
+def entry_module(model: torch.nn.Module, kind: str, k: int = 0) -> torch.nn.Module:
     if kind == "spec":
         return SpecEntry(model, k)
     if kind == "prefill":

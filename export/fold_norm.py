@@ -2,7 +2,7 @@
 
 Between two decoder layers the model computes `x, h = add_rms_norm(mlp_out, h, next_norm_w, eps)` and the
 next layer's token mixer starts with a projection of x (the concatenated GDN in_proj, or attention's
-[q; k; v]; graphs/fuse.py). Lowered as such at batch 1, the norm is a kernel of its own: a launch and a
+[q; k; v]; models/qwen3_5/fuse.py). Lowered as such at batch 1, the norm is a kernel of its own: a launch and a
 kernel boundary for a few KB (35B: 39 a step, ~2.2 us each on the H200). After the Triton lowering is in
 the graph, this pass rewrites
 

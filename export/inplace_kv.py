@@ -1,6 +1,6 @@
 """Fold the gated attention layer's KV-cache writes into the q/k norm + rope kernel (CUDA/XPU lowering).
 
-The model writes this step's k and v rows with two index_puts (graphs/qwen3_5.py GatedAttention):
+The model writes this step's k and v rows with two index_puts (models/qwen3_5/model.py GatedAttention):
 
     q', k' = onegraph.qk_norm_rope_triton(q, k, ..., positions, ...)
     kc' = aten.index_put(kc, [w_slots, None, w_pos], k');  vc' = aten.index_put(vc, [w_slots, None, w_pos], v)

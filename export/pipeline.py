@@ -1,6 +1,6 @@
 """`onegraph export`: checkpoint -> artifact, readable as one list of stages.
 
-    load -> shard (tensor parallel: one model per rank, graphs/tp.py) -> trace -> lower -> package
+    load -> shard (tensor parallel: one model per rank, models/qwen3_5/tp.py) -> trace -> lower -> package
 
 Everything is written into a staging directory beside --out and renamed into place once the manifest
 is written and verified (staging.py). Graphs are traced here one after another and lowered by worker
@@ -15,12 +15,11 @@ The parity fixture is recorded from the TP-1 eager model: every TP-N load must r
 
 Decode graphs: one per batch bucket. Prefill graphs: one per chunk bucket, not one dynamic-length
 graph, because the chunked GDN scan unrolls over a static number of 64-token chunks; a prompt is
-prefilled in bucket-sized chunks, the last one padded (padding is inert: see graphs/qwen3_5.py).
+prefilled in bucket-sized chunks, the last one padded (padding is inert: see models/qwen3_5/model.py).
 The slot dimension of the state is dynamic, so the runtime chooses how many slots to allocate.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import shutil
@@ -35,20 +34,19 @@ from onegraph.custom_ops import schema_versions
 from onegraph.custom_ops.sample import Sampling
 from onegraph.graphs.eager import generate_eager, router_margins
 from onegraph.graphs.fp32_compute import LOW, generate_eager_fp32
-from onegraph.graphs.fuse import fuse_projections
-from onegraph.graphs.load import check_checkpoint, model_dir, quant_method, resolve_dtype
-from onegraph.graphs.quant import QUANT_CHOICES, SCHEMES, resolve
-from onegraph.graphs.recipe import checkpoint_files, load_tp1, rank_model, recipe_of, state_tensors, tensors_sha256
-from onegraph.graphs.signature import graph_spec, split_inputs
-from onegraph.graphs.tp import check_divisible
-from onegraph.runtime.artifact import device_descriptor, load_manifest, tool_versions, write_manifest
+from onegraph.checkpoint.load import check_checkpoint, family, model_dir, quant_method, resolve_dtype
+from onegraph.checkpoint.quant import QUANT_CHOICES, SCHEMES, resolve
+from onegraph.checkpoint.recipe import checkpoint_files, load_tp1, rank_model, recipe_of, state_tensors, tensors_sha256
+from onegraph.graphs.signature import graph_spec, split_inputs, state_manifest
+from onegraph.runtime.artifact import (device_descriptor, load_manifest, manifest_unverified, tool_versions,
+                                       write_manifest)
 from onegraph.runtime.weight_refs import sha256_files
 
 from .cache import DEFAULT_DIR as DEFAULT_CACHE_DIR
 from .cache import GraphCache, graph_key, program_digest, warm_toolchain
 from .program import save_without_weights, weights_of
 from .staging import check_target, interruptible, publish, staging
-from .trace import trace
+from .trace import trace, trace_group
 from .workers import Done, LoweringError, LoweringPool, auto_jobs
 
 TEXT_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
@@ -69,12 +67,12 @@ class ExportOptions:
     eager_rounding: bool = True                # round intermediates where eager does (bf16/fp16 parity)
     fp32_reduce: bool = False                  # row-parallel outputs in fp32, all-reduced, rounded once (TP-invariant)
     allow_unused_weights: bool = False         # load even if the checkpoint holds tensors the model does not consume
-    quant: str = "auto"                        # dense projections' weights (graphs/quant.py): auto (the checkpoint's;
+    quant: str = "auto"                        # dense projections' weights (checkpoint/quant.py): auto (the checkpoint's;
                                                # resolved before export) | none (model dtype) | fp8 | int8 | fp8-channel
     speculative_tokens: int = 0                # > 0: MTP draft + verify graphs of k drafts (graphs/spec_graphs.py)
-    fp8_lm_head: bool = False                  # the output projection as block FP8 too (graphs/quant.py quantize_lm_head)
+    fp8_lm_head: bool = False                  # the output projection as block FP8 too (checkpoint/quant.py quantize_lm_head)
     weights: str = "copy"                      # copy: weights.safetensors in the artifact | reference: the checkpoint's
-                                               # files by path + sha256, made into the weights at load (graphs/recipe.py)
+                                               # files by path + sha256, made into the weights at load (checkpoint/recipe.py)
 
     def validate(self, max_positions: int) -> None:
         if self.backend not in ("aoti", "onnx"):
@@ -132,27 +130,9 @@ def resolve_quant(model_spec, opts: ExportOptions) -> ExportOptions:
 
 
 def shard(model, opts: ExportOptions) -> list:
-    """One model per rank (graphs/tp.py's plan; TP-1: the model itself), each with its same-input
-    projections concatenated (graphs/fuse.py) after sharding."""
+    """One model per rank (models/qwen3_5/tp.py's plan; TP-1: the model itself), each with its same-input
+    projections concatenated (models/qwen3_5/fuse.py) after sharding."""
     return [rank_model(model, r, opts.tp) for r in range(opts.tp)]
-
-
-@contextlib.contextmanager
-def trace_group(tp: int):
-    """A fake tp-rank default process group while tracing (functional collectives need a group to
-    name; nothing runs). Yields the group name the graphs bind to."""
-    import torch.distributed as dist
-    if tp == 1:
-        yield None
-        return
-    if dist.is_initialized():
-        raise ValueError("export --tp N traces every rank in one process: run it without torchrun")
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
-    try:
-        yield dist.group.WORLD.group_name
-    finally:
-        dist.destroy_process_group()
 
 
 def fixture(model, max_seq_len: int) -> dict[str, torch.Tensor]:
@@ -216,7 +196,7 @@ def export(model_spec: str, out_dir: str | Path, opts: ExportOptions, progress: 
     if opts.speculative_tokens and "MTP" not in tensors.skipped:
         raise ValueError(f"--speculative-tokens needs a checkpoint with an MTP head (mtp.* weights): "
                          f"{model_spec} has none")
-    check_divisible(cfg, opts.tp)
+    family(cfg).check_divisible(cfg, opts.tp)
     if jobs is not None and jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
     out = Path(out_dir).absolute()                     # its name and parent name the staging directory
@@ -255,7 +235,7 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
     recipe = recipe_of(opts.dtype, opts.quant, opts.fp32_reduce, opts.allow_unused_weights, k > 0, tp, opts.fp8_lm_head)
     cfg, model, src = load_tp1(model_spec, recipe, dev)
     ranks = shard(model, opts)
-    fuse_projections(model)          # the TP-1 eager model records the fixture: the same projections
+    family(cfg).fuse_projections(model)   # the TP-1 eager model records the fixture: the same projections
 
     entries, timings, compile_s, cached, dests, keys = {}, {}, {}, [], {}, {}
     # TP: a rank's graph whose traced program is rank 0's (weights aside) takes rank 0's package, compiled without
@@ -379,6 +359,8 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
             graphs[name] = entry
     # every graph's state inputs are the model's; a spec round's add the head's KV, spec.y, spec.pos after them
     state = split_inputs(graphs[f"spec_b{min(opts.batch_sizes)}" if k else next(iter(graphs))]["inputs"])[1]
+    kinds = {t["name"]: t["kind"] for t in state_manifest(model, opts.max_seq_len, dtype, k)}   # by name: any tp
+    state = [dict(t, kind=kinds[t["name"]]) for t in state]
     manifest = {
         "backend": opts.backend, "model": cfg.to_dict(), "dtype": opts.dtype,
         "device": device_desc, "versions": tool_versions(opts.backend), "ops": schema_versions(),
@@ -392,9 +374,7 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
     if opts.backend == "aoti":
         manifest["lowering"] = lowering                # aoti.py's Inductor configs, as the graphs were compiled
     if tp > 1:
-        from onegraph.graphs.tp import local_dims
-        manifest["tp"] = {"size": tp, "group_name": group_name, "plan": "onegraph.graphs.tp",
-                          "local_dims": dataclasses.asdict(local_dims(cfg, tp)),
+        manifest["tp"] = {"size": tp, "group_name": group_name, "plan": f"onegraph.models.{family(cfg).name}",
                           "collectives": "all_reduce after each token mixer and MLP block; all_gather of "
                                          "vocab-sharded logits before sampling"}
     write_manifest(stage, manifest)
@@ -442,7 +422,7 @@ def summary_text(s: dict) -> str:
 
 
 def inspect(path: str | Path) -> str:
-    m = json.loads((Path(path) / "manifest.json").read_text())
+    m = manifest_unverified(path)
     lines = [f"{m['format']} v{m['format_version']}  backend={m['backend']}  dtype={m['dtype']}  "
              f"device={m['device']}  max_seq_len={m['max_seq_len']}",
              f"model: {m['model']['model_type']} layers={len(m['model']['layer_types'])} "

@@ -22,7 +22,8 @@ import socket
 import threading
 from pathlib import Path
 
-MANIFEST = "manifest.json"
+from onegraph.runtime.artifact import is_artifact
+
 SEP = "+"                 # hostnames hold letters, digits, '-' and '.', never '+'
 
 
@@ -71,7 +72,7 @@ def check_target(out: Path, force: bool) -> None:
         return
     if not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a directory: refusing to overwrite it")
-    if (out / MANIFEST).is_file():
+    if is_artifact(out):
         if not force:
             raise ValueError(f"--out {out} already holds an artifact: pass --force to replace it")
     elif any(out.iterdir()):

@@ -6,6 +6,8 @@ through Python on every run) raises ExportError naming it.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from onegraph.custom_ops import decompositions
@@ -75,3 +77,21 @@ def trace(model, spec: GraphSpec, device, kernels: str = "auto", batch: torch.ex
             if fold_norms:
                 fold_input_norms(ep)       # batch 1: a layer's input norm in its first projection's GEMV
     return ep, check_lowered(ep, dev.type)
+
+
+@contextlib.contextmanager
+def trace_group(tp: int):
+    """A fake tp-rank default process group while tracing (functional collectives need a group to
+    name; nothing runs). Yields the group name the graphs bind to."""
+    import torch.distributed as dist
+    if tp == 1:
+        yield None
+        return
+    if dist.is_initialized():
+        raise ValueError("export --tp N traces every rank in one process: run it without torchrun")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()

@@ -232,8 +232,8 @@ def _worker_main(conn, log_path: str, device: str, tp: int, compile_threads: int
 
     import onegraph.custom_ops  # noqa: F401  (registers the onegraph ops a program may name)
     from onegraph.export.aoti import lower_aoti
-    from onegraph.export.pipeline import trace_group
     from onegraph.export.program import load_with_weights
+    from onegraph.export.trace import trace_group
     if torch.device(device).type != "cpu":
         import onegraph.custom_ops.triton  # noqa: F401  (the Triton ops of CUDA programs)
     inductor_config.compile_threads = compile_threads

@@ -12,7 +12,7 @@ import torch
 
 from onegraph.custom_ops.sample import Sampling
 
-from .qwen3_5 import Qwen35Model, SparseMoe, new_state
+from onegraph.models.qwen3_5.model import Qwen35Model, SparseMoe, new_state
 
 
 @dataclasses.dataclass

@@ -55,7 +55,7 @@ class Fp32Compute(TorchDispatchMode):
 def generate_eager_fp32(model, prompt_ids: list[int], max_new_tokens: int, *args, **kw):
     """graphs/eager.py generate_eager in fp32 over `model`'s bf16 / fp16 weights (its state fp32): the same
     EagerResult, logits fp32. An fp32 model runs as it is."""
-    from .eager import generate_eager
+    from onegraph.graphs.eager import generate_eager
     dtype = model.embed_tokens.weight.dtype
     if dtype not in LOW:
         return generate_eager(model, prompt_ids, max_new_tokens, *args, **kw)

@@ -16,8 +16,6 @@ import torch
 
 from onegraph.custom_ops.sample import Sampling
 
-from .qwen3_5 import Qwen35Model
-
 OUTPUTS = ("next_ids", "logits")                                   # decode and prefill graphs
 SPEC_OUTPUTS = ("next_ids", "n_accepted", "targets", "drafts")      # a speculative round
 # A graph that cannot mutate its inputs (ONNX) returns each state tensor's new value after OUTPUTS, as
@@ -64,23 +62,30 @@ class GraphSpec:
         return out
 
 
-def state_inputs(model: Qwen35Model, max_seq_len: int, dtype: torch.dtype, k: int = 0) -> list:
-    """[(name, shape, dtype)] of the state a graph takes (slot dim "S"): the model's, then with k > 0 the
-    speculative state (graphs/spec_graphs.py spec_state_spec: the head's KV, spec.y, spec.pos)."""
+def _state_spec(model: torch.nn.Module, max_seq_len: int, dtype: torch.dtype, k: int = 0) -> list:
+    """The StateTensors of one slot: the model's, then with k > 0 the speculative state
+    (graphs/spec_graphs.py spec_state_spec: the head's KV, spec.y, spec.pos)."""
     spec = model.state_spec(1, max_seq_len, dtype)
     if k:
-        from .spec_graphs import spec_state_spec
+        from onegraph.graphs.spec_graphs import spec_state_spec
         spec = spec + spec_state_spec(model, 1, max_seq_len, dtype)
-    return [(t.name, ("S",) + t.shape[1:], t.dtype) for t in spec]
+    return spec
 
 
-def state_manifest(model: Qwen35Model, max_seq_len: int, dtype: torch.dtype, k: int = 0) -> list[dict]:
-    """The state as the manifest records it ({name, shape, dtype}, slot dim "S"): the union of what the
+def state_inputs(model: torch.nn.Module, max_seq_len: int, dtype: torch.dtype, k: int = 0) -> list:
+    """[(name, shape, dtype)] of the state a graph takes (slot dim "S")."""
+    return [(t.name, ("S",) + t.shape[1:], t.dtype) for t in _state_spec(model, max_seq_len, dtype, k)]
+
+
+def state_manifest(model: torch.nn.Module, max_seq_len: int, dtype: torch.dtype, k: int = 0) -> list[dict]:
+    """The state as the manifest records it ({name, shape, dtype, kind}, slot dim "S"): the union of what the
     graphs take (with k > 0 the spec graphs take the model's state and then the speculative state)."""
-    return GraphSpec("state", "state", 0, state_inputs(model, max_seq_len, dtype, k)).manifest()["inputs"]
+    spec = _state_spec(model, max_seq_len, dtype, k)
+    rows = GraphSpec("state", "state", 0, state_inputs(model, max_seq_len, dtype, k)).manifest()["inputs"]
+    return [dict(r, kind=t.kind) for r, t in zip(rows, spec)]
 
 
-def graph_spec(model: Qwen35Model, kind: str, bucket: int, max_seq_len: int, dtype: torch.dtype,
+def graph_spec(model: torch.nn.Module, kind: str, bucket: int, max_seq_len: int, dtype: torch.dtype,
                k: int = 0) -> GraphSpec:
     """k > 0 (a speculative artifact): prefill also takes next_tokens [T] and the speculative state; kind
     "spec" is the round of k drafts; decode graphs are the plain ones either way."""

@@ -1,4 +1,4 @@
-"""Speculative decoding with the model's own MTP head (graphs/mtp.py): draft, verify, accept, commit.
+"""Speculative decoding with the model's own MTP head (models/qwen3_5/mtp.py): draft, verify, accept, commit.
 
 The eager reference, one slot at a time (generate_spec), written as graphs trace (explicit state tensors
 indexed by slot, static k, no Python control flow on tensor values). The exported graphs
@@ -32,7 +32,7 @@ and keeps speculation-on equal to speculation-off token for token.
 State layout. The head's attention layers keep their own KV cache, laid out like the main model's
 (`mtp_state_spec`: per head layer k_cache, v_cache [S, KVH, Tmax, D], S = slots + 1, the last slot scratch).
 Head position t reads (h_t, x_{t+1}) at rotary position t and predicts x_{t+2} (the training layout,
-tools/train_tiny.py), so its KV row t depends only on committed values once x_{t+1} is committed.
+scripts/train_tiny.py), so its KV row t depends only on committed values once x_{t+1} is committed.
 """
 from __future__ import annotations
 
@@ -43,9 +43,10 @@ import torch
 
 from onegraph.custom_ops.sample import Sampling
 
-from .config import ModelConfig
-from .eager import i64
-from .qwen3_5 import Qwen35Model, StateTensor, new_state, ops
+from onegraph.models.qwen3_5.config import ModelConfig
+from onegraph.graphs.eager import i64
+from onegraph.models.qwen3_5.model import Qwen35Model, new_state, ops
+from onegraph.models.state import StateTensor
 
 MAX_SPECULATIVE_TOKENS = 4
 
@@ -62,7 +63,7 @@ def mtp_state_spec(cfg: ModelConfig, num_layers: int, slots: int, max_seq_len: i
     kv = (slots + 1, cfg.num_kv_heads, max_seq_len, cfg.head_dim)
     spec = []
     for i in range(num_layers):
-        spec += [StateTensor(f"mtp{i}.k_cache", kv, dtype), StateTensor(f"mtp{i}.v_cache", kv, dtype)]
+        spec += [StateTensor(f"mtp{i}.k_cache", kv, dtype, "kv"), StateTensor(f"mtp{i}.v_cache", kv, dtype, "kv")]
     return spec
 
 
@@ -127,7 +128,7 @@ def mtp_catch_up(model: Qwen35Model, hidden, next_tokens, slot, start_pos, n_val
     """The head over committed positions start_pos..start_pos+T-1 of one slot (one prefill-like pass):
     hidden [T, H] (h_t), next_tokens [T] (x_{t+1}), rows >= n_valid padding (their KV goes to the scratch
     slot). Writes the head's KV rows of those positions. -> the head's final-normed output [T, H], whose
-    logits (model._logits) predict x_{t+2}: the training forward's MTP logits (tools/train_tiny.py)."""
+    logits (model._logits) predict x_{t+2}: the training forward's MTP logits (scripts/train_tiny.py)."""
     def mixer(layer, x, st):
         return layer.self_attn.prefill(x, slot, start_pos, n_valid, model.inv_freq, *st)
 

@@ -47,8 +47,9 @@ from __future__ import annotations
 
 import torch
 
-from .qwen3_5 import Qwen35Model, StateTensor
-from .spec import _head_in, _stack, check_k, mtp_catch_up, mtp_state_spec, prefill_hidden
+from onegraph.models.qwen3_5.model import Qwen35Model
+from onegraph.models.state import StateTensor
+from onegraph.graphs.spec import _head_in, _stack, check_k, mtp_catch_up, mtp_state_spec, prefill_hidden
 
 ops = torch.ops.onegraph
 
@@ -57,7 +58,8 @@ def spec_state_spec(model: Qwen35Model, slots: int, max_seq_len: int, dtype: tor
     """The speculative state after the main state: the head's KV, then spec.y and spec.pos."""
     S = slots + 1
     return mtp_state_spec(model.cfg, len(model.mtp.layers), slots, max_seq_len, dtype) + [
-        StateTensor("spec.y", (S, model.cfg.hidden_size), dtype), StateTensor("spec.pos", (S,), torch.int64)]
+        StateTensor("spec.y", (S, model.cfg.hidden_size), dtype, "spec"),
+        StateTensor("spec.pos", (S,), torch.int64, "spec")]
 
 
 def _split_state(model: Qwen35Model, state):

@@ -24,21 +24,14 @@ from pathlib import Path
 
 import torch
 
+from onegraph.models.state import STATE_KINDS
+
+from .files import ArtifactError, sha256_file  # noqa: F401  (ArtifactError: re-exported)
+from .weight_refs import check_files, rebuild, verify_files
+
 FORMAT = "onegraph-artifact"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-
-
-class ArtifactError(ValueError):
-    """The artifact cannot be used here; the message names the cause."""
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _self_hash(manifest: dict) -> str:
@@ -66,7 +59,48 @@ def device_descriptor(device: torch.device) -> dict:
     return {"type": device.type, "machine": platform.machine()}
 
 
+def is_artifact(path: str | Path) -> bool:
+    """Whether `path` holds an artifact (a manifest); Artifact.load verifies it."""
+    return (Path(path) / MANIFEST).is_file()
+
+
+def manifest_unverified(path: str | Path) -> dict:
+    """manifest.json as written, without Artifact.load's checks: for `inspect`, which reports on an artifact
+    this machine may not be able to run (another device or torch)."""
+    try:
+        return json.loads((Path(path) / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ArtifactError(f"{path}: no readable {MANIFEST} ({e})") from None
+
+
+def tp_size(manifest: dict) -> int:
+    """The tensor-parallel size a manifest was exported for (1: no `tp` entry)."""
+    return manifest.get("tp", {}).get("size", 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateEntry:
+    """One state tensor every graph takes (slot dim "S" = slots + 1), as the manifest records it. kind: "kv"
+    (attention KV cache [S, KVH, Tmax, D]: grows with max_seq_len), "conv" (GDN conv window [S, C, k-1]),
+    "recurrent" (GDN state [S, HV, K, V], fp32), "spec" (speculative-round carry: the head's hidden, positions)."""
+    name: str
+    shape: tuple
+    dtype: str
+    kind: str
+
+    @classmethod
+    def from_manifest(cls, t: dict) -> "StateEntry":
+        if t.get("kind") not in STATE_KINDS:
+            raise ArtifactError(f"state tensor {t.get('name')!r}: kind {t.get('kind')!r} is not one of "
+                                f"{STATE_KINDS} (an artifact from an older onegraph: re-export)")
+        return cls(t["name"], tuple(t["shape"]), t["dtype"], t["kind"])
+
+
 def write_manifest(out: Path, manifest: dict) -> None:
+    """Write `manifest` (export's fields) as out/manifest.json with the format, every other file's sha256 and
+    the manifest's own hash; its state entries must carry a known kind (StateEntry)."""
+    for t in manifest.get("state", []):
+        StateEntry.from_manifest(t)
     files = {}
     for p in sorted(out.rglob("*")):
         if p.is_file() and p.name != MANIFEST:
@@ -145,6 +179,8 @@ class Artifact:
 
     def __post_init__(self):
         m, r = self.manifest, self.rank
+        for t in m["state"]:                # every state tensor's kind known, or ArtifactError at load
+            StateEntry.from_manifest(t)
         graphs, weights = m["graphs"], m["weights"]
         if self.tp > 1:
             graphs = {n: dict(g, file=g["file"].format(rank=r)) for n, g in graphs.items()}
@@ -166,7 +202,6 @@ class Artifact:
         art = cls(root, m, _usable(m, device))
         art.load_timings_s["artifact_files"] = time.perf_counter() - t0
         if art.weights_reference is not None:          # the checkpoint files the weights are made from
-            from .weight_refs import check_files, verify_files
             t1 = time.perf_counter()
             (check_files if defer_sha256 else verify_files)(art.weights_reference)
             object.__setattr__(art, "checkpoint_hashed", not defer_sha256)
@@ -179,9 +214,10 @@ class Artifact:
 
     backend = _field("backend", "aoti | onnx")
     dtype = _field("dtype", "the float dtype exported, by name")
-    model = _field("model", "the model config (graphs/config.py ModelConfig.to_dict())")
+    model = _field("model", "the model config (models/qwen3_5/config.py ModelConfig.to_dict())")
     max_seq_len = _field("max_seq_len", "KV-cache length per slot")
-    state = _field("state", 'the state tensors every graph takes last: [{name, shape ("S" = slots + 1), dtype}]')
+    state = _field("state", 'the state tensors every graph takes last: [{name, shape ("S" = slots + 1), dtype, kind}] '
+                           '(typed: state_tensors)')
     speculative_tokens = _field("speculative_tokens", "K of the speculative graphs (0: none)", 0)
 
     @property
@@ -197,7 +233,17 @@ class Artifact:
 
     @property
     def tp(self) -> int:
-        return self.manifest.get("tp", {}).get("size", 1)
+        return tp_size(self.manifest)
+
+    @property
+    def state_tensors(self) -> list[StateEntry]:
+        """The state, typed: each tensor's name, shape, dtype and kind (kv / conv / recurrent / spec)."""
+        return [StateEntry.from_manifest(t) for t in self.manifest["state"]]
+
+    @property
+    def quant(self) -> str:
+        """The quantization scheme the weights were exported with (checkpoint/quant.py SCHEMES; "none")."""
+        return self.options.get("quant", "none")
 
     @property
     def fixture(self) -> Path:
@@ -212,7 +258,6 @@ class Artifact:
         from safetensors.torch import load_file
         t = timings if timings is not None else {}
         if self.weights_reference is not None:
-            from .weight_refs import rebuild
             dev = torch.device(device or self.device)
             made = rebuild(self.weights_reference, self.rank, self.checkpoint_hashed, t)
             t0 = time.perf_counter()

@@ -40,6 +40,8 @@ import time
 
 import torch
 
+from onegraph.custom_ops.sample import check_sampling
+
 from .artifact import Artifact
 from .executor import GraphExecutor, Sampling  # noqa: F401  (Sampling re-exported)
 
@@ -166,10 +168,7 @@ class Engine:
         if len(ids) + max_new_tokens > self.ex.max_seq_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                              f"artifact's max_seq_len {self.ex.max_seq_len}")
-        if not (temperature >= 0 and 0 <= top_k < 2**31 and 0 < top_p <= 1):   # also rejects NaN
-            raise ValueError("need temperature >= 0, 0 <= top_k < 2^31 and 0 < top_p <= 1")
-        if seed is not None and not -2**63 <= int(seed) < 2**63:
-            raise ValueError(f"seed must fit in int64, got {seed}")
+        check_sampling(temperature, top_k, top_p, seed)
         return ids
 
     def submit(self, prompt_ids, emit, max_new_tokens=16, temperature=0.0, top_k=0, top_p=1.0, seed=None,

@@ -24,6 +24,7 @@ import torch
 from onegraph.custom_ops.sample import Sampling  # noqa: F401  (re-exported: onegraph.runtime.Sampling)
 from onegraph.graphs.signature import torch_dtype
 
+from . import ranks
 from .artifact import Artifact, ArtifactError
 
 
@@ -169,8 +170,7 @@ class GraphExecutor:
             # (illegal memory access on 2xH200; pytorch#152087), while an explicit index worked
             dev = torch.device("cuda", torch.cuda.current_device())
         if art.tp > 1:                             # this rank's graphs and weight shard
-            from .ranks import artifact_rank
-            art = art.for_rank(artifact_rank(art))
+            art = art.for_rank(ranks.artifact_rank(art))
         from .memory import check_fits
         check_fits(art.path, art.manifest, max_slots, dev, free_memory, art.rank)
         stage("check_fits")
@@ -210,8 +210,7 @@ class GraphExecutor:
         weights = art.load_weights(dev, timings)
         loader_cls = None
         if art.tp > 1:                             # graphs that wait on collectives must not hold the GIL
-            from .ranks import native
-            loader_cls = native().Loader
+            loader_cls = ranks.native().Loader
         loaded = {name: AotiGraph(art.path / g["file"], weights, dev, loader_cls) for name, g in art.graphs.items()}
         timings["graph_packages"] = sum(g.load_s for g in loaded.values())
         timings.update({f"graph_package:{name}": g.load_s for name, g in loaded.items()})   # apart, for the slow one
@@ -220,7 +219,6 @@ class GraphExecutor:
 
     def _link(self, art: Artifact) -> None:
         """Tensor parallel: this rank, and the broadcast rank 0 leads and the others follow (runtime/ranks.py)."""
-        from . import ranks
         self.rank, self.link = art.rank, ranks.link(self, art)
         self.path += f"+tp{art.tp}"
 
@@ -289,8 +287,8 @@ class GraphExecutor:
         """Run an uncaptured graph, then keep last_tok: the sampled ids become the next decode input of
         their slots (inputs[1]: prefill's slot [1], decode's rows [B]; padding rows write the scratch
         slot). Every tensor-parallel rank runs this, so each rank's last_tok, which its captured decode
-        graphs read, is the leader's. (It was rank 0's alone: rank 1's first decode step after a
-        prefill fed token 0 on 2xH200.)"""
+        graphs read, is the leader's (kept on rank 0 alone, rank 1's first decode step after a prefill
+        reads token 0)."""
         with torch.no_grad():
             out = self.graphs[name](list(inputs) + self.graph_state[name])
             ids, slots = out[0], inputs[1]

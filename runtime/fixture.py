@@ -27,15 +27,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from onegraph.checkpoint.quant import SCHEMES
+
 from .artifact import ArtifactError
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.25, "float16": 0.1}
-# W8A8 artifacts (export --quant int8 | fp8-channel, graphs/quant.py) round every projection's input to 8 bits
+# W8A8 artifacts (export --quant int8 | fp8-channel, checkpoint/quant.py) round every projection's input to 8 bits
 # per row inside the graph: an ulp of difference in that input (the compiled graph sums a norm in another
 # order) can move one activation across a rounding boundary, or a row's amax and so its scale, and each such
 # flip moves the logits by about 1e-2 (tiny, fp32: 0.0118 at a 12-token prefill). Their logits are held to
 # this, and their ids must still match wherever eager's top-2 margin exceeds twice it.
-W8A8_SCHEMES, W8A8_TOLERANCE = ("int8", "fp8-channel"), 0.05
+W8A8_SCHEMES, W8A8_TOLERANCE = tuple(n for n, s in SCHEMES.items() if s.w8a8), 0.05
 # a quarter of the logit tolerance: router logits are dot products over the same hidden size, and the
 # router logits of the flips seen (bf16) were 0.02 apart
 ROUTER_NEAR_TIE = {k: v / 4 for k, v in TOLERANCE.items()}

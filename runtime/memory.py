@@ -20,6 +20,8 @@ import torch
 
 from onegraph.graphs.signature import torch_dtype
 
+from .artifact import tp_size
+
 MIB = 1 << 20
 SLACK = 256 * MIB          # allocator fragmentation, runtime buffers (staging, last_tok, rings), CUDA graph pools
 
@@ -54,7 +56,7 @@ def workspace_bytes(manifest: dict, device_type: str) -> int:
     k = manifest.get("speculative_tokens", 0)
     rows = max([g["bucket"] for g in graphs if g["kind"] == "prefill"]
                + [g["bucket"] * (k + 1) for g in graphs if g["kind"] in ("decode", "spec")])
-    tp = manifest.get("tp", {}).get("size", 1)
+    tp = tp_size(manifest)
     ffn = cfg.get("top_k", 0) * cfg.get("moe_intermediate", 0) + cfg.get("intermediate_size", 0)   # MoE or dense
     per_row = cfg["vocab_size"] + 16 * cfg["hidden_size"] + cfg.get("num_experts", 0) + 3 * ffn // tp
     act = 2 * rows * per_row * 4
@@ -99,7 +101,7 @@ def max_seq_len_fitting(path: Path, manifest: dict, free: int, device_type: str,
     workspace is this artifact's (on a CPU its attention scores grow with Tmax too: there, an estimate); capped
     at the model's max_position_embeddings."""
     per_token = sum(math.prod(t["shape"][1:]) * torch_dtype(t["dtype"]).itemsize
-                    for t in manifest["state"] if t["name"].endswith("_cache")) // manifest["max_seq_len"]
+                    for t in manifest["state"] if t["kind"] == "kv") // manifest["max_seq_len"]
     fixed = state_bytes_per_slot(manifest["state"]) - per_token * manifest["max_seq_len"]
     base = needed_bytes(path, manifest, 0, device_type, rank)
     room = (free - base["weights"] - base["workspace"]) // (max_slots + 1) - fixed

@@ -1,8 +1,8 @@
 """Tensor-parallel replay, the whole rank lifecycle: every rank replays its own graphs (its weight
 shard, collectives inside the graph); rank 0 decides what runs and broadcasts each step to the others.
-(graphs/tp.py shards the model; this file runs the shards.)
+(models/qwen3_5/tp.py shards the model; this file runs the shards.)
 
-    artifact = lead_or_follow(path, max_slots=..)   # under torchrun: join the process group; ranks > 0
+    artifact = launch.lead_or_follow(path, ..)   # under torchrun: join the process group; ranks > 0
                                                     # follow rank 0 here until it stops -> None
     engine = Engine.from_artifact(artifact, ...)    # rank 0 (or a single process) runs the engine
     ...; engine.close(); leave()                    # close() releases the followers
@@ -212,36 +212,6 @@ class StepBroadcast:
                 return n
             run(name, inputs)
             n += 1
-
-
-def lead_or_follow(path, max_slots: int, device: str | None = None, cuda_graphs: bool = True,
-                   timeout_s: float = DEFAULT_TIMEOUT_S):
-    """Load and verify the artifact at `path`. Under torchrun, join the process group first; ranks > 0
-    then load their shard with the same slots as rank 0 (the slot ids it broadcasts index their state
-    too) and replay rank 0's steps until it stops -> None (FollowerError if it vanishes). -> the
-    Artifact on rank 0 and outside torchrun: the caller runs the engine on it."""
-    from .artifact import Artifact
-    art = Artifact.load(path, device, defer_sha256=True)     # every caller makes the weights next
-    if not launched_by_torchrun():
-        return art
-    rank, _ = init_from_torchrun(art.device.type, timeout_s)
-    if rank == 0:
-        return art
-    import signal
-
-    from .executor import GraphExecutor
-    ex = GraphExecutor.from_artifact(art, max_slots=max_slots, cuda_graphs=cuda_graphs)
-    # rank 0 owns the lifetime: the SIGTERM/SIGINT that torchrun or a terminal sends every rank makes
-    # rank 0 shut down gracefully and release this rank (stop()); dying here first would fail rank 0
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
-    try:
-        ex.follow()
-    except RuntimeError as e:          # rank 0 exited or stopped answering
-        raise FollowerError(f"tensor-parallel rank {rank}: {e}") from None
-    finally:
-        leave()
-    return None
 
 
 def artifact_rank(artifact) -> int:

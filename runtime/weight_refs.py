@@ -2,7 +2,7 @@
 
 Its manifest's `weights_reference` names the checkpoint ("tiny": the builtin, written afresh from the
 package's data; otherwise an absolute directory), every file the loader reads from it (size, sha256), the
-recipe that turns them into the graph weights and the digest of those weights per rank (graphs/recipe.py):
+recipe that turns them into the graph weights and the digest of those weights per rank (checkpoint/recipe.py):
 
     "weights_reference": {"checkpoint": "/abs/dir", "files": {"model-00001-of-00008.safetensors":
                           {"sha256": ..., "size": ...}, ...}, "recipe": {...}, "tensors_sha256": [...],
@@ -28,13 +28,13 @@ from pathlib import Path
 
 import torch
 
-from .artifact import ArtifactError, sha256_file
+from .files import ArtifactError, sha256_file
 
 
 def checkpoint_dir(ref: dict) -> Path:
     """The referenced checkpoint directory (`tiny`: written now, byte-identical to the one exported from)."""
     if ref["checkpoint"] == "tiny":
-        from onegraph.graphs.load import model_dir
+        from onegraph.checkpoint.load import model_dir
         return model_dir("tiny")
     return Path(ref["checkpoint"])
 
@@ -60,7 +60,7 @@ def sha256_files(paths: list[Path]) -> list[str]:
 def check_files(ref: dict) -> Path:
     """-> the checkpoint directory, after checking that the loader reads exactly the recorded files and that
     each has its recorded size (no file is read: their sha256 is verify_files' or rebuild's)."""
-    from onegraph.graphs.recipe import checkpoint_files
+    from onegraph.checkpoint.recipe import checkpoint_files
     root = checkpoint_dir(ref)
     files = ref["files"]
     for rel, meta in files.items():
@@ -73,7 +73,7 @@ def check_files(ref: dict) -> Path:
                                 f"{meta['size']} (modified since export)")
     try:
         now = checkpoint_files(root)
-    except Exception as e:          # graphs/weights.py LoadError: no safetensors, unreadable index
+    except Exception as e:          # checkpoint/weights.py LoadError: no safetensors, unreadable index
         raise ArtifactError(f"referenced checkpoint {root}: {e}") from None
     if sorted(now) != sorted(files):
         raise ArtifactError(f"referenced checkpoint {root} now reads the files {sorted(now)}, the manifest records "
@@ -97,7 +97,7 @@ def verify_files(ref: dict) -> Path:
 
 
 def _make(root: Path, ref: dict, rank: int) -> dict[str, torch.Tensor]:
-    from onegraph.graphs.recipe import graph_weights
+    from onegraph.checkpoint.recipe import graph_weights
     try:
         return graph_weights(root, ref["recipe"], rank)
     except (ValueError, OSError, KeyError) as e:       # LoadError is a ValueError
@@ -113,7 +113,7 @@ def rebuild(ref: dict, rank: int, files_verified: bool = False,
     file). `timings` (optional) gets the wall seconds of weights_make, sha256_wait (the hashing that
     outlasted the recipe), weights_digest, and checkpoint_sha256_overlapped (the hash threads' wall,
     concurrent with weights_make: not a stage of its own)."""
-    from onegraph.graphs.recipe import tensors_sha256
+    from onegraph.checkpoint.recipe import tensors_sha256
     t = timings if timings is not None else {}
     t0 = time.perf_counter()
     if files_verified:

@@ -52,7 +52,7 @@ def tiny_bf16_artifact(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_eager():
-    from onegraph.graphs.load import load_model
+    from onegraph.checkpoint.load import load_model
     return load_model("tiny")[1]
 
 

@@ -1,4 +1,4 @@
-"""`onegraph bench-serve` (tools/bench_serve.py): against a stub server that misbehaves (errors counted by
+"""`onegraph bench-serve` (commands/bench_serve.py): against a stub server that misbehaves (errors counted by
 kind, the run finishes with its JSON), on bad input (exit 2, one line), its metric definitions, and the soak
 of `onegraph serve` on the tiny artifact (tests/soak.py: 200 requests here, 1,000 by hand)."""
 import asyncio
@@ -134,7 +134,7 @@ def test_seeded_mix_is_reproducible_and_rate_mode(tmp_path):
 def test_chat_text_prompts_usage_and_ttft_past_the_role_chunk(tmp_path):
     """--api chat sends text (random ids decoded by --tokenizer), counts tokens by the final usage, and
     starts TTFT's clock-stop at the first content, not at the empty role chunk (sent 0.2 s earlier)."""
-    from onegraph.graphs.tiny import tiny_tokenizer
+    from onegraph.models.qwen3_5.tiny import tiny_tokenizer
     tiny_tokenizer().save(str(tmp_path / "tokenizer.json"))
     app = stub_app()
     out = tmp_path / "chat.json"

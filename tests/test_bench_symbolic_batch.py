@@ -1,4 +1,4 @@
-"""tools/bench_symbolic_batch.py and tools/bench_lower_set.py on the tiny shape, CPU, no AOTInductor (the
+"""scripts/bench_symbolic_batch.py and scripts/bench_lower_set.py on the tiny shape, CPU, no AOTInductor (the
 traced programs run as torch.export modules: seconds, where lowering them would take minutes on 2 cores).
 
 - the symbolic-batch graphs cover every batch, each equal to its per-bucket graph (ids exact, fp32 logits);
@@ -15,7 +15,7 @@ from triton_env import needs_triton
 
 
 def test_symbolic_batch_equals_per_bucket_graphs_on_cpu(tmp_path):
-    from onegraph.tools.bench_symbolic_batch import main
+    from onegraph.scripts.bench_symbolic_batch import main
     out = tmp_path / "sym.json"
     assert main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--lower", "export", "--kernels", "auto",
                  "--batches", "1,8", "--steps", "1", "--max-seq-len", "64", "--position", "8", "--out", str(out)]) == 0
@@ -43,8 +43,8 @@ def test_symbolic_batch_through_triton_lowerings_is_reported_as_traced():
     from onegraph.custom_ops import decompositions
     from onegraph.export.entry import dynamic_shapes, entry_module, example_inputs
     from onegraph.graphs.signature import graph_spec
-    from onegraph.tools.bench_common import random_shape_model
-    from onegraph.tools.bench_symbolic_batch import accepted, batch_dim, guard_messages
+    from onegraph.commands.bench_common import random_shape_model
+    from onegraph.scripts.bench_symbolic_batch import accepted, batch_dim, guard_messages
     model, _ = random_shape_model("tiny", 0, torch.float32, "cpu")
     spec = graph_spec(model, "decode", 8, 64, torch.float32)
     with torch.no_grad(), guard_messages() as guards:
@@ -60,7 +60,7 @@ def test_symbolic_batch_through_triton_lowerings_is_reported_as_traced():
 
 
 def test_lower_set_splits_and_resumes(tmp_path):
-    from onegraph.tools.bench_lower_set import main
+    from onegraph.scripts.bench_lower_set import main
     out = tmp_path / "set.json"
     common = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--batch-sizes", "1,2",
               "--prefill-chunks", "16", "--max-seq-len", "64", "--trace-only", "--out", str(out)]
@@ -76,7 +76,7 @@ def test_lower_set_splits_and_resumes(tmp_path):
 
 
 def test_symbolic_batch_usage_errors(tmp_path):
-    from onegraph.tools.bench_symbolic_batch import main
+    from onegraph.scripts.bench_symbolic_batch import main
     base = ["--shape", "tiny", "--device", "cpu", "--out", str(tmp_path / "x.json")]
     assert main(base + ["--batches", "8"]) == 2
     assert main(base + ["--kernels", "fast"]) == 2

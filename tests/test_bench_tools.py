@@ -1,10 +1,10 @@
-"""tools/plot.py reads both bench JSON shapes (`onegraph bench` "decode" rows, bench_big "batches" rows) and
+"""commands/plot.py reads both bench JSON shapes (`onegraph bench` "decode" rows, bench_big "batches" rows) and
 plots ms per token = ms per step / batch; bad usage exits 2 with a message; bench_big's
 --identical-experts really makes the MoE output independent of which experts the router picks."""
 import subprocess
 import sys
 
-from onegraph.tools.plot import series
+from onegraph.commands.plot import series
 
 
 def test_series_from_both_json_shapes():
@@ -20,7 +20,7 @@ def test_series_from_both_json_shapes():
 
 
 def test_plot_usage_error():
-    r = subprocess.run([sys.executable, "-m", "onegraph.tools.plot"], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "onegraph.commands.plot"], capture_output=True, text=True)
     assert r.returncode == 2 and "usage" in r.stderr
 
 
@@ -34,7 +34,7 @@ def test_big_preset_user_errors(tmp_path):
     if not torch.cuda.is_available():
         r = subprocess.run(base + ["--out", str(tmp_path / "x.json")], capture_output=True, text=True)
         assert r.returncode == 2 and "needs a CUDA device" in r.stderr and "Traceback" not in r.stderr
-    r = subprocess.run([sys.executable, "-m", "onegraph.tools.bench_big", "--prefill", "512,8192", "--out",
+    r = subprocess.run([sys.executable, "-m", "onegraph.scripts.bench_big", "--prefill", "512,8192", "--out",
                         str(tmp_path / "x.json")], capture_output=True, text=True)
     assert r.returncode == 2 and "--prefill 8192 exceeds --max-seq-len 4096" in r.stderr and "Traceback" not in r.stderr
 
@@ -45,9 +45,9 @@ def test_identical_experts_make_the_moe_blind_to_routing():
     model's own distinct experts the same change moves it (fp32, tiny)."""
     import torch
 
-    from onegraph.graphs.load import load_model
-    from onegraph.graphs.qwen3_5 import SparseMoe, ops
-    from onegraph.tools.bench_big import identical_experts_
+    from onegraph.checkpoint.load import load_model
+    from onegraph.models.qwen3_5.model import SparseMoe, ops
+    from onegraph.scripts.bench_big import identical_experts_
     _, model, _ = load_model("tiny", "float32")
     moe = next(m for m in model.modules() if isinstance(m, SparseMoe))
     own = moe.router_weight                                                # [E + 1, H]: router ‖ shared gate
@@ -73,7 +73,7 @@ def test_bench_big_layers_and_speculative_round_on_cpu(tmp_path):
     acceptance lengths, and no acceptance is measured (random weights)."""
     import json
 
-    from onegraph.tools.bench_big import main
+    from onegraph.scripts.bench_big import main
     out = tmp_path / "spec.json"
     assert main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--lower", "export", "--layers", "2",
                  "--speculative-tokens", "1", "--batch", "1", "--steps", "2", "--eager-steps", "1",
@@ -87,8 +87,8 @@ def test_bench_big_layers_and_speculative_round_on_cpu(tmp_path):
     assert row["round_ms"] > 0 and row["round_over_decode_step"] > 0
     assert set(row["ms_per_token_at_acceptance"]) == {"2.0", "2.5", "3.0", "3.4"}
     # tiny's first 2 layers are GDN: conv [conv_dim, W-1] and recurrent [HV, K, V] fp32 rows, read and written
-    from onegraph.graphs.config import ModelConfig
-    from onegraph.graphs.tiny import TINY_HF_CONFIG
+    from onegraph.models.qwen3_5.config import ModelConfig
+    from onegraph.models.qwen3_5.tiny import TINY_HF_CONFIG
     c = ModelConfig.from_hf(TINY_HF_CONFIG)
     assert tuple(c.layer_types[:2]) == ("linear_attention",) * 2
     conv_dim = 2 * c.linear_k_heads * c.linear_k_dim + c.linear_v_heads * c.linear_v_dim
@@ -108,7 +108,7 @@ def test_bench_big_round_split():
     is refused. decode_layers_us: a step's layers span from its first Triton kernel's end to lm_head's start."""
     import pytest
 
-    from onegraph.tools.bench_big_spec import decode_layers_us, split_round
+    from onegraph.scripts.bench_big_spec import decode_layers_us, split_round
     ev = [("index_select", 0, 1), ("_gemv_kernel", 1, 3), ("_scan_kernel", 3, 4), ("_pick_kernel", 4, 5),   # draft 1
           ("_rms_norm_kernel", 5, 6), ("_gemv_kernel", 6, 7), ("_scan_kernel", 7, 8), ("_pick_kernel", 8, 9),  # draft 2
           ("_gdn_decode_kernel", 9, 12), ("_gemv_kernel", 12, 20), ("_scan_kernel", 20, 21),   # verify
@@ -135,7 +135,7 @@ def test_bench_interleave_chunked_vs_whole(tiny_artifact, tmp_path):
     not, and the JSON carries both runs' gap percentiles."""
     import json
 
-    from onegraph.tools.bench_interleave import main
+    from onegraph.scripts.bench_interleave import main
     out = tmp_path / "interleave.json"
     assert main(["--artifact", str(tiny_artifact), "--streams", "2", "--prompt-len", "80", "--warmup", "2",
                  "--out", str(out)]) == 0
@@ -153,7 +153,7 @@ def test_bench_engine_on_the_tiny_artifact(tiny_artifact, tmp_path):
 
     import pytest
 
-    from onegraph.tools.bench_engine import main
+    from onegraph.scripts.bench_engine import main
     out = tmp_path / "engine.json"
     assert main(["--artifact", str(tiny_artifact), "--concurrency", "3", "--input-len", "20", "--output-len", "5",
                  "--profile-load", "5", "--out", str(out)]) == 0
@@ -175,7 +175,7 @@ def test_bench_engine_on_the_tiny_artifact(tiny_artifact, tmp_path):
 def test_profile_regions_name_each_kernel_family():
     """Kernel names as the H200 profiles show them -> their region: the grouped MoE path (bs >= 64) is MoE, not
     'other', and attention's combine kernel is not the MoE's."""
-    from onegraph.tools.bench_common import REGIONS
+    from onegraph.commands.bench_common import REGIONS
 
     def region(name):
         return next((r for r, pats in REGIONS if any(p in name.lower() for p in pats)), "other")
@@ -195,7 +195,7 @@ def test_bench_big_prefill_and_interleave_on_cpu(tmp_path):
     in 16-token chunks, with the default budget (decode steps between its chunks) and whole (none)."""
     import json
 
-    from onegraph.tools.bench_big import main
+    from onegraph.scripts.bench_big import main
     out = tmp_path / "inter.json"
     assert main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--lower", "export", "--batch", "2",
                  "--prefill", "24", "--steps", "2", "--eager-steps", "1", "--max-seq-len", "96", "--interleave", "2",
@@ -204,7 +204,7 @@ def test_bench_big_prefill_and_interleave_on_cpu(tmp_path):
     (pre,) = res["prefill"]
     assert pre["prompt_tokens"] == 24 and pre["parity_vs_eager"]["ids_equal"], pre
     assert pre["parity_vs_eager"]["max_logit_diff"] < 1e-4
-    from onegraph.graphs.load import load_model
+    from onegraph.checkpoint.load import load_model
     model = load_model("tiny")[1]
     experts = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n and not n.startswith("mtp."))
     assert pre["weight_bytes"] > experts * 0.99           # 1 - (3/4)^24 of them, expected

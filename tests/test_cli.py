@@ -7,6 +7,7 @@ machine has two cores), and each test reads its result.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -14,10 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from onegraph import cli
 from onegraph.custom_ops.sample import Sampling
 from onegraph.graphs.eager import generate_eager
-from onegraph.graphs.load import load_model
-from onegraph.graphs.tiny import TINY_HF_CONFIG, write_tiny
+from onegraph.checkpoint.load import load_model
+from onegraph.models.qwen3_5.tiny import TINY_HF_CONFIG, write_tiny
 
 TIMEOUT = 120
 # one intra-op thread in the subprocesses and in-process alike: the same arithmetic on both sides of
@@ -153,3 +155,19 @@ def test_bad_export_options_leave_an_existing_artifact_alone(tmp_path):
         p = onegraph("export", "tiny", "--out", out, "--quiet", *bad)
         assert p.returncode == 2 and "Traceback" not in p.stderr, (bad, p.stderr)
         assert (out / "manifest.json").read_text() == "{}", f"{bad}: the existing directory was removed"
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,seed", [(-0.1, 0, 1.0, 0), (0.0, 2**31, 1.0, 0),
+                                                          (0.0, 0, 0.0, 0), (float("nan"), 0, 1.0, 0),
+                                                          (0.0, 0, 1.0, 2**63)])
+def test_sampling_is_checked_by_the_engine_rule(temperature, top_k, top_p, seed):
+    """The CLI reports custom_ops/sample.py check_sampling's message (the engine's own check), so it refuses
+    exactly what the engine would: a top_k of 2^31 and a seed beyond int64 included."""
+    from argparse import Namespace
+
+    from onegraph.custom_ops.sample import check_sampling
+    with pytest.raises(ValueError) as want:
+        check_sampling(temperature, top_k, top_p, seed)
+    args = Namespace(max_new_tokens=4, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    with pytest.raises(cli.UserError, match=re.escape(str(want.value))):
+        cli.check_sampling(args)

@@ -14,7 +14,7 @@ PROMPTS = [[1, 2, 3], list(b"Colours of the rainbow: red, orange,")]
 def cuda_artifact(request, tmp_path_factory):
     """-> (dtype, artifact dir, the eager model it is compared with)."""
     from onegraph.export.pipeline import ExportOptions, export
-    from onegraph.graphs.load import load_model
+    from onegraph.checkpoint.load import load_model
     dtype, kernels, fp32_reduce = request.param[0], request.param[1], bool(request.param[2])
     out = tmp_path_factory.mktemp("cuda") / "-".join(filter(None, request.param))
     export("tiny", out, ExportOptions(device="cuda", dtype=dtype, batch_sizes=(1, 4), prefill_chunks=(16,),

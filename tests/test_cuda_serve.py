@@ -1,6 +1,6 @@
 """`onegraph serve` on a CUDA bf16 artifact of `tiny`, as a subprocess, driven by the official `openai`
 client; once replaying captured CUDA graphs and once with --no-cuda-graphs (run on the H200 through the
-device tool; skipped without CUDA; the server's Python dependencies travel as wheels, tools/gpu_wheels.sh).
+device tool; skipped without CUDA; the server's Python dependencies travel as wheels, scripts/gpu_wheels.sh).
 
 Per mode, two servers: the main one (8 slots, a deep queue) and a small one (1 slot, no queue, an API key)
 for the 401 and 503 paths. What they must do:

@@ -61,7 +61,7 @@ def _parts_only_at_near_tie(got: list[int], ref: list[int], logits, tol: float, 
 @pytest.mark.parametrize("cuda_graphs", [True, False], ids=["captured", "uncaptured"])
 def test_tp2_fp32_matches_tp1_eager(arts, cuda_graphs):
     from onegraph.graphs.eager import generate_eager
-    from onegraph.graphs.load import load_model
+    from onegraph.checkpoint.load import load_model
     ref = generate_eager(load_model("tiny", "float32", "cuda")[1], PROMPT, STEPS, max_seq_len=128)
     got = tp_generate(arts["tp2_float32"], PROMPT, STEPS, "--tp-timeout", 60,
                       *([] if cuda_graphs else ["--no-cuda-graphs"]))
@@ -93,7 +93,7 @@ def test_tp2_lockstep_each_rank_matches_its_shard(arts, name, tmp_path):
     from a flipped expert on, the state is not comparable)."""
     from onegraph.runtime.fixture import ROUTER_NEAR_TIE
     out = tmp_path / "lockstep{rank}.json"
-    r = subprocess.run(torchrun(arts[name], "--steps", 16, "--out", out, module="onegraph.tools.lockstep"),
+    r = subprocess.run(torchrun(arts[name], "--steps", 16, "--out", out, module="onegraph.scripts.lockstep"),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode in (0, 1), r.stdout[-2000:] + r.stderr[-3000:]       # 1: a step beyond the bound
     for rank in range(2):

@@ -33,7 +33,7 @@ def test_replay_equals_eager_64_tokens(engine, tiny_eager):
 
 
 def test_replay_equals_eager_transformers_checkpoint(hf_artifact, hf_checkpoint):
-    from onegraph.graphs.load import load_model
+    from onegraph.checkpoint.load import load_model
     _, model, _ = load_model(hf_checkpoint)
     eng = Engine.from_artifact(hf_artifact, max_slots=1)
     try:

@@ -1,4 +1,4 @@
-"""`onegraph eval` (tools/eval.py): bits per byte and perplexity, the same from eager and from the exported
+"""`onegraph eval` (commands/eval.py): bits per byte and perplexity, the same from eager and from the exported
 artifact, the same as an independent full-sequence computation, and low for the shipped weights.
 """
 import json
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from onegraph.tools import eval as ev
+from onegraph.commands import eval as ev
 
 # ~4 windows of 128 tokens: each side runs 127 decode steps
 N_TOKENS, CTX = 500, 128
@@ -31,8 +31,8 @@ def test_eager_matches_a_full_sequence_reference(eager_result, one_thread):
     """The decode-step loop's sum of -ln p == the training forward's cross-entropy (the ops' references
     over whole windows, no state, no executor) on the same windows: fp32, relative 1e-5."""
     from tokenizers import Tokenizer
-    from onegraph.graphs.load import load_model
-    from onegraph.tools.train_tiny import forward
+    from onegraph.checkpoint.load import load_model
+    from onegraph.scripts.train_tiny import forward
     _, model, path = load_model("tiny", fuse=False)
     ids, n_bytes = ev.encode(Tokenizer.from_file(str(path / "tokenizer.json")),
                              ev.HELDOUT_TEXT.read_text(encoding="utf-8"), N_TOKENS)

@@ -34,7 +34,7 @@ def test_tiny_artifact_matches_eager_and_never_calls_python(tiny_artifact, tiny_
 
 
 def test_transformers_checkpoint_artifact_matches_eager(hf_checkpoint, hf_artifact):
-    from onegraph.graphs.load import load_model
+    from onegraph.checkpoint.load import load_model
     ex = GraphExecutor.from_artifact(hf_artifact, max_slots=1)
     _, model, _ = load_model(hf_checkpoint)
     for p in PROMPTS:
@@ -150,7 +150,7 @@ def test_bf16_cpu_artifact_first_token_matches_eager(tiny_bf16_artifact):
     eager's MoE router had a near-tie (runtime/fixture.py), so the load-time check stops that prompt
     there and says so instead of refusing the artifact. The artifact is conftest's bf16 one, exported with
     fp32_reduce (its row-parallel projections sum in fp32 and round once), so eager runs with it too."""
-    from onegraph.graphs.load import load_model
+    from onegraph.checkpoint.load import load_model
     ex = GraphExecutor.from_artifact(tiny_bf16_artifact, max_slots=1)
     rep = ex.fixture_report
     assert rep["max_logit_diff"] <= 0.25

@@ -139,8 +139,8 @@ def test_gaps_at_router_near_ties_and_after_the_runs_parted_are_not_used(tmp_pat
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_export_fixture_records_gaps(dtype, one_thread):
     from onegraph.export.pipeline import FIXTURE_PROMPTS, FIXTURE_TOKENS, fixture
-    from onegraph.graphs.config import ModelConfig
-    from onegraph.graphs.tiny import TINY_HF_CONFIG, random_model
+    from onegraph.models.qwen3_5.config import ModelConfig
+    from onegraph.models.qwen3_5.tiny import TINY_HF_CONFIG, random_model
     from onegraph.runtime.fixture import fixture_tolerance
     model = random_model(ModelConfig.from_hf(TINY_HF_CONFIG), getattr(torch, dtype), "cpu", router="decisive")
     fx = fixture(model, 64)
@@ -163,9 +163,9 @@ def test_export_fixture_records_gaps(dtype, one_thread):
 
 def test_a_gap_ends_after_the_first_differing_id(one_thread):
     from onegraph.export.pipeline import fp32_gap
-    from onegraph.graphs.config import ModelConfig
+    from onegraph.models.qwen3_5.config import ModelConfig
     from onegraph.graphs.eager import generate_eager
-    from onegraph.graphs.tiny import TINY_HF_CONFIG, random_model
+    from onegraph.models.qwen3_5.tiny import TINY_HF_CONFIG, random_model
     model = random_model(ModelConfig.from_hf(TINY_HF_CONFIG), torch.bfloat16, "cpu", router="decisive")
     r = generate_eager(model, [5, 6, 7, 8, 9], 5, max_seq_len=64)
     assert bool(torch.isfinite(fp32_gap(model, [5, 6, 7, 8, 9], r, 64)).all())

@@ -24,8 +24,8 @@ def _fp32_twin(model):
 
 @pytest.fixture(scope="module")
 def bf16_model():
-    from onegraph.graphs.config import ModelConfig
-    from onegraph.graphs.tiny import TINY_HF_CONFIG, random_model
+    from onegraph.models.qwen3_5.config import ModelConfig
+    from onegraph.models.qwen3_5.tiny import TINY_HF_CONFIG, random_model
     return random_model(ModelConfig.from_hf(TINY_HF_CONFIG), torch.bfloat16, "cpu", router="decisive")
 
 
@@ -43,7 +43,7 @@ def test_the_mode_is_the_fp32_copy_computation(bf16_model, one_thread):
 
 @pytest.mark.parametrize("quant,qdtype", [("fp8", torch.float8_e4m3fn), ("int8", torch.int8)])
 def test_quantized_weights_stay_quantized(quant, qdtype, one_thread):
-    from onegraph.graphs.load import load_model
+    from onegraph.checkpoint.load import load_model
     model = load_model("tiny", "bfloat16", quant=quant)[1]
     held = {n: p.dtype for n, p in model.named_parameters() if p.dtype == qdtype}
     assert held

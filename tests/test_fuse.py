@@ -1,12 +1,12 @@
-"""graphs/fuse.py: concatenating the same-input projections changes the parameters, not the model."""
+"""models/qwen3_5/fuse.py: concatenating the same-input projections changes the parameters, not the model."""
 from __future__ import annotations
 
 import torch
 
 from onegraph.custom_ops.sample import Sampling
 from onegraph.graphs.eager import generate_eager
-from onegraph.graphs.fuse import fuse_projections
-from onegraph.graphs.load import load_model
+from onegraph.models.qwen3_5.fuse import fuse_projections
+from onegraph.checkpoint.load import load_model
 
 
 def test_fused_model_generates_what_the_separate_projections_do():

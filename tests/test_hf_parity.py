@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 import hf_models  # noqa: E402
 
 from onegraph.graphs.eager import generate_eager  # noqa: E402
-from onegraph.graphs.load import load_model  # noqa: E402
+from onegraph.checkpoint.load import load_model  # noqa: E402
 
 STEPS = 32
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 11]

@@ -1,4 +1,4 @@
-"""HF checkpoint loading (graphs/weights.py, graphs/load.py) and config validation (graphs/config.py).
+"""HF checkpoint loading (checkpoint/weights.py, checkpoint/load.py) and config validation (models/qwen3_5/config.py).
 
 The reference is always the builtin tiny checkpoint as written by `write_tiny` (per-expert keys,
 one file): every other layout of the same tensors must load to identical parameters, and every
@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from onegraph.graphs.config import ModelConfig
+from onegraph.models.qwen3_5.config import ModelConfig
 from onegraph.graphs.eager import generate_eager
-from onegraph.graphs.load import load_model
-from onegraph.graphs.tiny import TINY_HF_CONFIG, write_tiny
-from onegraph.graphs.weights import LoadError
+from onegraph.checkpoint.load import load_model
+from onegraph.models.qwen3_5.tiny import TINY_HF_CONFIG, write_tiny
+from onegraph.checkpoint.weights import LoadError
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,4 +1,4 @@
-"""The loader refuses checkpoints it does not understand (graphs/weights.py), instead of running them wrong.
+"""The loader refuses checkpoints it does not understand (checkpoint/weights.py), instead of running them wrong.
 
 Every broken checkpoint here is the builtin tiny checkpoint rewritten into a layout the loader must
 not take: the hub FP8 layout (e4m3 weights + 128x128 block `weight_scale_inv`) without its
@@ -19,9 +19,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from onegraph.graphs.load import check_checkpoint, load_model
-from onegraph.graphs.tiny import TINY_HF_CONFIG, write_tiny
-from onegraph.graphs.weights import LoadError, census
+from onegraph.checkpoint.load import check_checkpoint, load_model
+from onegraph.models.qwen3_5.tiny import TINY_HF_CONFIG, write_tiny
+from onegraph.checkpoint.weights import LoadError, census
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-"""tools/lockstep.py: an artifact's graphs vs eager over the artifact's own weights, teacher-forced.
+"""scripts/lockstep.py: an artifact's graphs vs eager over the artifact's own weights, teacher-forced.
 
 - on the shared `tiny` artifact every step of 8 agrees (ids, logits, every state tensor), and the eager
   twin built from the artifact's weights walks the same greedy ids as eager from the checkpoint;
@@ -10,7 +10,7 @@ import sys
 
 from onegraph.graphs.eager import generate_eager
 from onegraph.runtime.executor import GraphExecutor
-from onegraph.tools.lockstep import DEFAULT_PROMPT, lockstep
+from onegraph.scripts.lockstep import DEFAULT_PROMPT, lockstep
 
 
 def test_lockstep_tiny_artifact_agrees(tiny_artifact, tiny_eager, one_thread):
@@ -44,6 +44,6 @@ def test_lockstep_names_the_first_diverging_state(tiny_artifact, one_thread):
 
 
 def test_lockstep_cli_bad_input(tiny_artifact):
-    r = subprocess.run([sys.executable, "-m", "onegraph.tools.lockstep", str(tiny_artifact), "--steps", "1000"],
+    r = subprocess.run([sys.executable, "-m", "onegraph.scripts.lockstep", str(tiny_artifact), "--steps", "1000"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "exceed max_seq_len" in r.stderr and "Traceback" not in r.stderr, r.stderr

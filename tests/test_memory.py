@@ -88,7 +88,7 @@ def test_largest_max_seq_len_for_a_slot_count_is_the_boundary(art):
     def at(T):                                       # the artifact's manifest as exported at max_seq_len T
         m = copy.deepcopy(art.manifest)
         for t in m["state"]:
-            if t["name"].endswith("_cache"):
+            if t["kind"] == "kv":
                 t["shape"][2] = T
         m["max_seq_len"] = T
         return m

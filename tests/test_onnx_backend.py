@@ -14,7 +14,7 @@ import torch
 from onegraph.custom_ops import PYTHON_CALLS
 from onegraph.export.pipeline import ExportOptions, export
 from onegraph.graphs.eager import generate_eager
-from onegraph.graphs.load import load_model
+from onegraph.checkpoint.load import load_model
 from onegraph.runtime.artifact import Artifact, ArtifactError
 from onegraph.runtime.executor import GraphExecutor, Sampling
 

@@ -1,8 +1,8 @@
-"""FP8 weights end to end on CPU: the official block-FP8 checkpoint format loads (graphs/quant.py,
-graphs/weights.py), runs through onegraph::linear_fp8 and (experts) fused_moe_fp8, matches transformers on the
+"""FP8 weights end to end on CPU: the official block-FP8 checkpoint format loads (checkpoint/quant.py,
+checkpoint/weights.py), runs through onegraph::linear_fp8 and (experts) fused_moe_fp8, matches transformers on the
 same checkpoint dequantized, exports (`--quant fp8`) with the scheme in the manifest, and bad FP8 checkpoints are refused.
 
-The FP8 checkpoint is `tiny` quantized here, independently of graphs/quant.py, in the official layout:
+The FP8 checkpoint is `tiny` quantized here, independently of checkpoint/quant.py, in the official layout:
 e4m3 `X.weight` + fp32 `X.weight_scale_inv` [ceil(N/128), ceil(K/128)] (amax / 448 per block) for the
 projections, experts and shared expert; embeddings, lm_head, norms, the routers and the GDN in_proj_a/b
 float (the official `modules_to_not_convert`). transformers 5.24 cannot load an FP8 checkpoint on CPU here
@@ -23,8 +23,8 @@ from safetensors.torch import load_file, save_file
 
 from onegraph.custom_ops.linear_fp8 import dequantize_blocks as dequantize
 from onegraph.graphs.eager import generate_eager
-from onegraph.graphs.load import load_model, model_dir
-from onegraph.graphs.weights import LoadError
+from onegraph.checkpoint.load import load_model, model_dir
+from onegraph.checkpoint.weights import LoadError
 
 tf = pytest.importorskip("transformers")
 

@@ -1,10 +1,10 @@
 """W8A8 weights end to end on CPU: compressed-tensors checkpoints (FP8 and INT8 per-channel weights, dynamic
-per-token activations) load (graphs/quant_ct.py, graphs/weights.py) with transformers' and compressed-tensors'
+per-token activations) load (checkpoint/quant_ct.py, checkpoint/weights.py) with transformers' and compressed-tensors'
 own dequantized values, `--quant int8` quantizes per channel, unsupported configs and bad tensors are refused
 naming the field or tensor, the accuracy stays within stated bounds of the float model, and an int8 CPU
 artifact replays its eager model.
 
-The compressed-tensors checkpoints are `tiny` written by tools/quant_checkpoint.py (llm-compressor's layout
+The compressed-tensors checkpoints are `tiny` written by scripts/quant_checkpoint.py (llm-compressor's layout
 and rule: scale = amax / 127.5 for int8, so the code -128 occurs; amax / 448 for e4m3; scales in the weight's
 dtype). transformers 5.24 with compressed-tensors installed dequantizes such a checkpoint on CPU
 (`CompressedTensorsConfig(dequantize=True)`) when its quantized modules are Linear modules; it refuses
@@ -21,9 +21,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from onegraph.graphs.eager import generate_eager
-from onegraph.graphs.load import load_model, model_dir
-from onegraph.graphs.weights import LoadError
-from onegraph.tools import quant_checkpoint
+from onegraph.checkpoint.load import load_model, model_dir
+from onegraph.checkpoint.weights import LoadError
+from onegraph.scripts import quant_checkpoint
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 11]
 
@@ -121,7 +121,7 @@ def test_export_time_int8_is_per_channel_amax_over_127(tiny_eager):
 
 
 def test_inspect_names_the_checkpoint_scheme(ct_dirs):
-    from onegraph.graphs.load import describe_checkpoint
+    from onegraph.checkpoint.load import describe_checkpoint
     text, refusal = describe_checkpoint(ct_dirs["fp8-channel"])
     assert refusal is None and "quantization: fp8-channel: float8_e4m3fn weights, one fp32 scale per output " \
                                "channel, activations quantized to e4m3 per token (dynamic)" in text
@@ -204,7 +204,7 @@ BPB_BOUND = {"int8": 0.006, "fp8-channel": 0.015}
 
 
 def test_accuracy_bounds_bits_per_byte(ct_dirs):
-    from onegraph.tools.eval import evaluate
+    from onegraph.commands.eval import evaluate
     base = evaluate("tiny", max_tokens=2048, dtype="float32", batch=16)["bits_per_byte"]
     for scheme, bound in BPB_BOUND.items():
         got = evaluate(ct_dirs[scheme], max_tokens=2048, dtype="float32", batch=16)["bits_per_byte"]

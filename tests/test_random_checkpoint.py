@@ -1,4 +1,4 @@
-"""tools/random_checkpoint.py: a seeded random Qwen3.5-MoE checkpoint of tiny's shape (bf16 and the official
+"""scripts/random_checkpoint.py: a seeded random Qwen3.5-MoE checkpoint of tiny's shape (bf16 and the official
 FP8 layout) loads strictly (every tensor consumed, none missing), its FP8 weights are exactly `--quant fp8` of
 the bf16 one, it generates, transformers loads the bf16 one, same seed -> identical files; the 35B plan has
 bench_big's parameter count and fits the H200 machine's disk as FP8; bad targets are refused."""
@@ -15,8 +15,8 @@ import torch
 from safetensors import safe_open
 
 from onegraph.graphs.eager import generate_eager
-from onegraph.graphs.load import check_checkpoint, load_model
-from onegraph.tools import random_checkpoint as rc
+from onegraph.checkpoint.load import check_checkpoint, load_model
+from onegraph.scripts import random_checkpoint as rc
 
 FP8 = torch.float8_e4m3fn
 
@@ -82,9 +82,9 @@ def _routing(model, prompts=((5, 17, 42, 99, 3, 250, 7, 11), (100, 101, 102, 103
              seed=None):
     """bf16 eager generation of a few prompts -> (smallest top-k router margin, {layer: top-k sets seen}); seed
     given (a decisive model's): every row's top-k set must be the seeded group of its channels' sign pattern."""
-    from onegraph.graphs import decisive
+    from onegraph.models.qwen3_5 import decisive
     from onegraph.graphs.eager import router_margins
-    from onegraph.graphs.qwen3_5 import SparseMoe
+    from onegraph.models.qwen3_5.model import SparseMoe
     sets, cfg = {}, model.cfg
 
     def hook(i):
@@ -153,8 +153,8 @@ def test_decisive_rule_keeps_the_values_outside_its_channels(decisive_dir, fp8_d
 
 
 def test_decisive_random_model_and_bad_router(tmp_path):
-    from onegraph.graphs.config import ModelConfig
-    from onegraph.graphs.tiny import TINY_HF_CONFIG, random_model
+    from onegraph.models.qwen3_5.config import ModelConfig
+    from onegraph.models.qwen3_5.tiny import TINY_HF_CONFIG, random_model
     cfg = ModelConfig.from_hf(TINY_HF_CONFIG)
     margin, _ = _routing(random_model(cfg, torch.bfloat16, "cpu", seed=3, router="decisive"),
                          prompts=((5, 17, 42, 99, 3),), seed=3)
@@ -216,7 +216,7 @@ def test_transformers_loads_the_bf16_checkpoint(bf16_dir):
 
 
 def test_padded_tokenizer_keeps_tiny_ids_and_decodes_every_id():
-    from onegraph.graphs.tiny import tiny_tokenizer
+    from onegraph.models.qwen3_5.tiny import tiny_tokenizer
     tok, tiny = rc.tokenizer(1000), tiny_tokenizer()
     text = "<|im_start|>user\nhé <think>x</think><|im_end|>"
     assert tok.encode(text).ids == tiny.encode(text).ids

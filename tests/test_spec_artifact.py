@@ -18,13 +18,14 @@ import pytest
 import torch
 
 from onegraph.custom_ops.sample import Sampling
+from onegraph.runtime.artifact import Artifact
 
 K = 3
 MAX_SEQ = 192
 
 
 def heldout_prompts(n, length):
-    from onegraph.tools.bench_spec import HELDOUT_TEXT, heldout_prompts as prompts
+    from onegraph.scripts.bench_spec import HELDOUT_TEXT, heldout_prompts as prompts
     return prompts(HELDOUT_TEXT, n, length)
 
 
@@ -54,6 +55,11 @@ def test_manifest_and_graphs(spec_artifact):
     assert sorted(m["graphs"]) == ["decode_b2", "prefill_t16", "spec_b2"]
     names = [t["name"] for t in m["state"]]
     assert names[-4:] == ["mtp0.k_cache", "mtp0.v_cache", "spec.y", "spec.pos"]
+    # every state tensor carries its kind; Artifact.state_tensors reads them typed
+    kinds = {t["name"]: t["kind"] for t in m["state"]}
+    assert [kinds[n] for n in names[-4:]] == ["kv", "kv", "spec", "spec"]
+    assert {kinds["layer0.conv"], kinds["layer0.rec"], kinds["layer3.k_cache"]} == {"conv", "recurrent", "kv"}
+    assert [t.kind for t in Artifact.load(spec_artifact).state_tensors] == [kinds[n] for n in names]
     assert not any(i["name"].startswith(("mtp", "spec.")) for i in m["graphs"]["decode_b2"]["inputs"])
     assert m["graphs"]["spec_b2"]["outputs"] == ["next_ids", "n_accepted", "targets", "drafts"]
 
@@ -78,7 +84,7 @@ def test_rounds_are_the_eager_reference_rounds(engines):
     """The artifact's rounds draft what the eager one-slot reference (graphs/spec.py generate_spec) drafts: the
     same number of rounds and accepted drafts, with the prompt prefilled in three 16-token chunks (the head
     catches up chunk by chunk in the graphs, over the whole prompt at once in the reference)."""
-    from onegraph.graphs.load import load_model
+    from onegraph.checkpoint.load import load_model
     from onegraph.graphs.spec import generate_spec
     on, _ = engines
     model = load_model("tiny", mtp=True)[1]
@@ -215,9 +221,9 @@ def test_ends_at_max_seq_len(engines):
 def test_refusals(tmp_path, tiny_artifact):
     from onegraph.cli import main
     from onegraph.export.pipeline import ExportOptions, export
-    from onegraph.graphs import tiny
-    from onegraph.graphs.config import ModelConfig
-    from onegraph.graphs.qwen3_5 import Qwen35Model
+    from onegraph.models.qwen3_5 import tiny
+    from onegraph.models.qwen3_5.config import ModelConfig
+    from onegraph.models.qwen3_5.model import Qwen35Model
     from onegraph.runtime import Engine
     for k in (0, 5):
         assert main(["export", "tiny", "--out", str(tmp_path / "x"), "--speculative-tokens", str(k)]) == 2

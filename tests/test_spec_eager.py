@@ -16,7 +16,7 @@ import torch
 
 from onegraph.custom_ops.sample import Sampling
 from onegraph.graphs.eager import generate_eager, i64
-from onegraph.graphs.qwen3_5 import new_state
+from onegraph.models.qwen3_5.model import new_state
 from onegraph.graphs.spec import generate_spec, mtp_catch_up, new_mtp_state, prefill_hidden
 
 N = 128
@@ -26,13 +26,13 @@ V = 264
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, one_thread):
-    from onegraph.tools.bench_spec import random_mtp_checkpoint
+    from onegraph.scripts.bench_spec import random_mtp_checkpoint
     return random_mtp_checkpoint(tmp_path_factory.mktemp("mtp"))
 
 
 @pytest.fixture(scope="module")
 def model(checkpoint):
-    from onegraph.graphs.load import load_model
+    from onegraph.checkpoint.load import load_model
     return load_model(checkpoint, mtp=True)[1]
 
 
@@ -109,11 +109,11 @@ def test_prefill_hidden_is_prefill(model):
 
 @torch.no_grad()
 def test_head_is_the_training_forward(model, checkpoint):
-    """The head's catch-up over a prompt gives the MTP logits of the training forward (tools/train_tiny.py:
+    """The head's catch-up over a prompt gives the MTP logits of the training forward (scripts/train_tiny.py:
     the ops' references over whole windows, head position t on (h_t, x_{t+1}) at rotary position t), so
     a head trained there drafts here as it was trained."""
-    from onegraph.graphs.load import load_model
-    from onegraph.tools.train_tiny import forward
+    from onegraph.checkpoint.load import load_model
+    from onegraph.scripts.train_tiny import forward
     tokens = PROMPT + [10, 32]
     T = len(PROMPT)
     unfused = load_model(checkpoint, mtp=True, fuse=False)[1]            # the training forward reads q/k/v_proj
@@ -205,7 +205,7 @@ def test_refuses(model, tiny_eager):
 
 @pytest.fixture(scope="module")
 def trained(one_thread):
-    from onegraph.graphs.load import load_model
+    from onegraph.checkpoint.load import load_model
     return load_model("tiny", mtp=True)[1]
 
 

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from onegraph.custom_ops.sample import Sampling
 from onegraph.graphs.eager import generate_eager
-from onegraph.graphs.load import load_model
-from onegraph.graphs.qwen3_5 import new_state, state_spec
+from onegraph.checkpoint.load import load_model
+from onegraph.models.qwen3_5.model import new_state, state_spec
 
 ops = torch.ops.onegraph
 LOGIT_TOL = 1e-4

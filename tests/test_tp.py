@@ -1,4 +1,4 @@
-"""Tensor parallel (graphs/tp.py + Qwen35Model(cfg, tp, group)), eager, CPU gloo.
+"""Tensor parallel (models/qwen3_5/tp.py + Qwen35Model(cfg, tp, group)), eager, CPU gloo.
 
 - shard_state_dict then unshard round-trips the TP-1 weights bit for bit (tp 2 and 4; tied and
   untied lm_head);
@@ -34,12 +34,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from onegraph.graphs.config import ModelConfig
+from onegraph.models.qwen3_5.config import ModelConfig
 from onegraph.custom_ops.sample import Sampling
 from onegraph.graphs.eager import generate_eager
-from onegraph.graphs.load import load_model
-from onegraph.graphs.tiny import TINY_HF_CONFIG
-from onegraph.graphs.tp import check_divisible, local_dims, shard_state_dict, unshard
+from onegraph.checkpoint.load import load_model
+from onegraph.models.qwen3_5.tiny import TINY_HF_CONFIG
+from onegraph.models.qwen3_5.tp import check_divisible, local_dims, shard_state_dict, unshard
 from tp_helpers import first_diff, free_port, torchrun, tp_generate, tp_serve_completions
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 10, 5, 200, 17]
@@ -52,7 +52,7 @@ SEEDED = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=7)
 def tiny():
     n = torch.get_num_threads()
     torch.set_num_threads(1)
-    # the TP-1 model as sharding sees it: projections not yet concatenated (graphs/fuse.py runs per rank after)
+    # the TP-1 model as sharding sees it: projections not yet concatenated (models/qwen3_5/fuse.py runs per rank after)
     cfg, model, _ = load_model("tiny", "float32", fuse=False)
     yield cfg, model
     torch.set_num_threads(n)
@@ -284,9 +284,9 @@ def _replay_matches_tp1(model, art, nproc: int, timeout: int, sampling=None):
 
 def test_tp2_weights_made_by_the_recipe_are_the_exported_shards(tp2_artifact):
     """export --weights reference at tp 2: what the runtime makes for each rank from the checkpoint by the
-    recorded recipe (graphs/recipe.py) is that rank's weights file of a copying export, tensor for tensor."""
+    recorded recipe (checkpoint/recipe.py) is that rank's weights file of a copying export, tensor for tensor."""
     from safetensors.torch import load_file
-    from onegraph.graphs.recipe import graph_weights, recipe_of, tensors_sha256
+    from onegraph.checkpoint.recipe import graph_weights, recipe_of, tensors_sha256
     recipe = recipe_of("float32", "none", False, False, False, 2)          # tp2_artifact's options
     for r in range(2):
         want = load_file(str(tp2_artifact / f"weights_rank{r}.safetensors"))
@@ -345,11 +345,11 @@ def test_tp4_bf16_fp32_reduce_artifact_gives_tp1_artifact_ids(tmp_path, tiny_bf1
 
 
 def test_tp2_lockstep_every_rank_matches_its_eager_shard(tp2_artifact, tmp_path):
-    """tools/lockstep.py under torchrun: each rank's graphs vs an eager model of its own weight shard,
+    """scripts/lockstep.py under torchrun: each rank's graphs vs an eager model of its own weight shard,
     teacher-forced, every state tensor compared per step (the rung that localised a 2xH200
     failure to TP-2 eager rounding rather than the graphs)."""
     out = tmp_path / "lockstep{rank}.json"
-    r = subprocess.run(torchrun(tp2_artifact, "--steps", 6, "--out", out, module="onegraph.tools.lockstep"),
+    r = subprocess.run(torchrun(tp2_artifact, "--steps", 6, "--out", out, module="onegraph.scripts.lockstep"),
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     ref = None

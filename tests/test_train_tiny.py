@@ -1,4 +1,4 @@
-"""The builtin model's trainer (tools/train_tiny.py): its training forward is the inference path's math,
+"""The builtin model's trainer (scripts/train_tiny.py): its training forward is the inference path's math,
 the MTP head reads only what it may, a few steps on a small slice lower the loss, and the checkpoint it
 writes is the hub layout the loader reads back.
 """
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from onegraph.custom_ops.sample import Sampling
-from onegraph.graphs.qwen3_5 import new_state
-from onegraph.tools import train_tiny as tt
+from onegraph.models.qwen3_5.model import new_state
+from onegraph.scripts import train_tiny as tt
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_checkpoint_is_the_hub_layout(trained):
     """Per-expert keys under `model.`, the MTP head under `mtp.` (fc [H, 2H], one layer with the MoE),
     and the whole of it loads with the head attached, each tensor equal to the checkpoint's."""
     from safetensors.torch import load_file
-    from onegraph.graphs.load import load_model
+    from onegraph.checkpoint.load import load_model
     out, _ = trained
     sd = load_file(str(out / "model.safetensors"))
     cfg, model, _ = load_model(out, mtp=True)
@@ -130,9 +130,9 @@ def test_shipped_mtp_head_loads_and_predicts_two_ahead(one_thread):
     predicts token t+2 of held-out text (4 windows of 128 bytes): measured 1.415 bits/byte (the main
     head on t+1: 1.392); random weights give ~8."""
     from safetensors.torch import load_file
-    from onegraph.graphs.load import load_model
-    from onegraph.graphs.tiny import TINY_WEIGHTS
-    from onegraph.tools.eval import HELDOUT_TEXT
+    from onegraph.checkpoint.load import load_model
+    from onegraph.models.qwen3_5.tiny import TINY_WEIGHTS
+    from onegraph.commands.eval import HELDOUT_TEXT
     cfg, model, _ = load_model("tiny", mtp=True, fuse=False)
     assert_mtp_loaded(model, load_file(str(TINY_WEIGHTS)), cfg)
     tokens = torch.tensor(list(HELDOUT_TEXT.read_bytes()[: 4 * 130])).view(4, 130)

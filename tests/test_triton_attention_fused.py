@@ -224,7 +224,7 @@ def _attention_layer_programs(model, kind):
 
 @pytest.fixture(scope="module")
 def tiny_dev():
-    from onegraph.graphs.load import load_model
+    from onegraph.checkpoint.load import load_model
     return load_model("tiny", "float32", DEVICE)[1]
 
 
@@ -267,7 +267,7 @@ def test_fold_kv_writes_whole_decode_graph(tiny_dev):
     from onegraph.custom_ops import decompositions
     from onegraph.export.entry import dynamic_shapes, entry_module, example_inputs, graph_spec
     from onegraph.export.inplace_kv import fold_kv_writes
-    from onegraph.graphs.qwen3_5 import new_state
+    from onegraph.models.qwen3_5.model import new_state
     model = tiny_dev
     spec = graph_spec(model, "decode", 2, 32, torch.float32)
     progs = []
@@ -328,7 +328,7 @@ import test_triton_attention_fused as t
 from triton_env import package_copies
 from onegraph.custom_ops import PYTHON_CALLS
 from onegraph.export.inplace import InlineInplaceTwins
-from onegraph.graphs.load import load_model
+from onegraph.checkpoint.load import load_model
 
 """ + CATCH_KERNEL_WARNINGS + """model = load_model("tiny", "bfloat16", "cuda")[1]
 for kind in ("decode", "prefill"):
@@ -380,7 +380,7 @@ def test_fold_kv_writes_aoti(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny32():
-    from onegraph.graphs.load import load_model
+    from onegraph.checkpoint.load import load_model
     return load_model("tiny", "float32")[1]
 
 
@@ -388,7 +388,7 @@ def test_decode_past_the_cache_writes_the_last_row(tiny32):
     """positions >= Tmax: the KV write and the attention use row Tmax - 1 (never index past the
     cache), and the step computes what a step at Tmax - 1 computes; sampling still sees the real
     position. Eager, on the reference ops."""
-    from onegraph.graphs.qwen3_5 import new_state
+    from onegraph.models.qwen3_5.model import new_state
     model, Tmax = tiny32, 8
     cfg = model.cfg
     i64 = lambda v: torch.tensor(v, dtype=torch.int64)                        # noqa: E731

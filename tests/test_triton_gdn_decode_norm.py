@@ -143,7 +143,7 @@ def test_35b_shapes(B):
 
 
 class _GdnDecode(torch.nn.Module):
-    """A GDN decode step as graphs/qwen3_5.py writes it: views of one fused projection output, the op, the
+    """A GDN decode step as models/qwen3_5/model.py writes it: views of one fused projection output, the op, the
     state rows written back with index_copy_."""
 
     def __init__(self, HK, HV, K, V):

@@ -176,7 +176,7 @@ def test_export_swaps_in_the_triton_op():
 _SM90_SCRIPT = """
 import torch
 from onegraph.custom_ops.triton import gdn_prefill as m
-from onegraph.tools import compile_check as cc
+from onegraph.scripts import compile_check as cc
 launches = []
 m.launch = lambda kernel, grid, *a, **meta: launches.append((kernel, a, meta))   # record, don't run
 bf = dict(dtype=torch.bfloat16, device="meta")

@@ -1,5 +1,5 @@
 """onegraph::linear's CUDA lowering (custom_ops/triton/linear.py) against F.linear, and the projection
-concatenation it makes exact (graphs/fuse.py). Runs in Triton's CPU interpreter without a GPU (small
+concatenation it makes exact (models/qwen3_5/fuse.py). Runs in Triton's CPU interpreter without a GPU (small
 awkward shapes) and compiled on a GPU (plus the `cuda` tests at Qwen3.5-35B-A3B shapes).
 
 Tolerances: fp32 1e-4 relative to the row's scale (another summation order); bf16: the kernel rounds

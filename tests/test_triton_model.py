@@ -22,7 +22,7 @@ from onegraph.export.fold_norm import fold_input_norms
 from onegraph.export.inplace import fold_state_writes, inline_inplace_twins
 from onegraph.export.inplace_kv import fold_kv_writes
 from onegraph.export.trace import check_lowered
-from onegraph.graphs.load import load_model
+from onegraph.checkpoint.load import load_model
 from onegraph.runtime.executor import GraphExecutor, Sampling
 
 pytestmark = needs_triton

@@ -44,7 +44,7 @@ def nb(n):
 
 def quantize(w):
     """w [..., N, K] fp32 -> (q e4m3, scale [..., ceil(N/128), ceil(K/128)] fp32): amax / 448 per block, the rule
-    of graphs/quant.py `quantize` (and of transformers' quantizer up to the reciprocal)."""
+    of checkpoint/quant.py `quantize` (and of transformers' quantizer up to the reciprocal)."""
     *lead, n, k = w.shape
     pad = torch.zeros(*lead, nb(n) * 128, nb(k) * 128, device=w.device)
     pad[..., :n, :k] = w
@@ -236,7 +236,7 @@ def test_inductor_sees_only_output_and_workspace_writes():
 def test_fused_moe_fp8_35b(T):
     """H = 2048, I = Is = 512, E = 256, top-8: T = 1, 8 run the decode kernels, T = 64 (T*k > E) the grouped
     GEMMs. Power-of-two scales: against the bf16 kernels on the dequantized weights; checkpoint scales:
-    against the reference. Prints the µs of both ops (orientation; tools/bench_moe_fp8.py measures)."""
+    against the reference. Prints the µs of both ops (orientation; scripts/bench_moe_fp8.py measures)."""
     args, float_args = fp8_args(T, 2048, 256, 512, 512, 8, BF16, seed=T, pow2=True)
     got = ops.fused_moe_fp8_triton(*args)
     compare(got, ops.fused_moe_triton(*float_args), 3e-2, 0.05, f"35B T={T} vs bf16 kernels")

@@ -378,7 +378,7 @@ def test_kernels_compile_for_sm90_without_spills():
     (B = 1 and 64), compiles for sm_90 with Triton's compiler and the bundled ptxas, without register
     spills and within the shared-memory limit. A plain subprocess: the kernels must not be interpreted."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-m", "onegraph.tools.compile_check"], env=env,
+    res = subprocess.run([sys.executable, "-m", "onegraph.scripts.compile_check"], env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
 

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from onegraph.export.pipeline import ExportOptions, export, inspect, reference
-from onegraph.graphs.recipe import recipe_of, tensors_sha256
+from onegraph.checkpoint.recipe import recipe_of, tensors_sha256
 from onegraph.runtime import GraphExecutor
 from onegraph.runtime.artifact import Artifact, ArtifactError, sha256_file
 from onegraph.runtime.weight_refs import rebuild, verify_files
@@ -27,7 +27,7 @@ TINY_RECIPE = recipe_of("float32", "none", False, False, False, 1)       # tiny_
 @pytest.fixture(scope="session")
 def ref_checkpoint(tmp_path_factory):
     """tiny as a checkpoint directory of its own (the tests modify and restore its files)."""
-    from onegraph.graphs.tiny import write_tiny
+    from onegraph.models.qwen3_5.tiny import write_tiny
     return write_tiny(tmp_path_factory.mktemp("ckpt") / "tiny")
 
 
@@ -42,7 +42,7 @@ def ref_artifact(tiny_artifact, ref_checkpoint, aoti_cache, tmp_path_factory):
 def test_builtin_tiny_reference_is_made_again_and_checked(tiny_artifact):
     """`tiny` as the checkpoint: the runtime writes it again (byte-identical) and verifies it; weights made
     by another code path than the recorded one (here: a wrong digest) are refused."""
-    from onegraph.graphs.load import model_dir
+    from onegraph.checkpoint.load import model_dir
     copy = load_file(str(tiny_artifact / "weights.safetensors"))
     ref = reference("tiny", model_dir("tiny"), TINY_RECIPE, [tensors_sha256(copy)], [0])
     assert ref["checkpoint"] == "tiny"

@@ -123,7 +123,7 @@ COMBINE_D = 64             # head dims per combine program
 def plan(B: int, KVH: int, Tmax: int, D: int) -> tuple[int, int]:
     """-> (BN keys per step, NSPLIT splits), fixed per graph shape."""
     # 64 keys of K and V per step: ~64 KB of loads in flight per SM (one 8-warp program fits per SM
-    # at D = 256: ~240 registers, no spills on sm_90, see tools/compile_check.py)
+    # at D = 256: ~240 registers, no spills on sm_90, see scripts/compile_check.py)
     BN = 64
     nsplit = max(1, min(TARGET_PROGRAMS // max(B * KVH, 1), MAX_SPLITS, triton.cdiv(Tmax, BN)))
     return BN, nsplit

@@ -129,9 +129,9 @@ def causal_conv_update_triton(x: torch.Tensor, conv_state: torch.Tensor, slots: 
 
 
 # Channels per program and warps of the update (latency, not bytes: 48 KB of state a layer at B = 1). Swept on
-# the H200 at C = 8192, in place, 30 layers per CUDA graph (tools/sweep_conv_update.py,
-# benchmarks/h200_conv_update_sweep.json): 64 x 4 warps takes 1.75 / 2.45 / 10.5 us a layer at B = 1 / 8 / 64
-# where the former 256 x 4 took 3.55 / 3.79 / 15.5; outputs and state identical (one channel per lane-row).
+# the H200 at C = 8192, in place, 30 layers per CUDA graph (benchmarks/h200_conv_update_sweep.json, which names
+# its script): 64 x 4 warps takes 1.75 / 2.45 / 10.5 us a layer at B = 1 / 8 / 64 where 256 x 4 takes 3.55 / 3.79 /
+# 15.5; outputs and state identical (one channel per lane-row).
 UPDATE_BC = 64
 UPDATE_WARPS = 4
 

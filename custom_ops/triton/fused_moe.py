@@ -256,11 +256,11 @@ def _moe_down_kernel(logits, down, sh_down, act, act_sh, route_w, route_i, y,
 
 
 # Tile sizes and warps: kernel 1 reads [BI1, BH1] tiles of gate and of up per step, kernel 2 [k, BH2, BI2]
-# tiles of down. From `python -m onegraph.tools.tune_moe --batches 1 --copies 6` on the H200 (35B shape, B = 1,
-# each call on its own weights, benchmarks/h200_moe_tiles.json, measured before the down kernel also loaded
-# the shared expert first and the routing from kernel 1): swiglu (4, 256, 4); down (4, 256, 2) was 28.9 us for
-# the whole op and (4, 128, 4) 29.3, but the down kernel of today spills at (4, 256, 2) (255 registers, 16 bytes
-# at sm_90; compile_check), so it takes (4, 128, 4): 78 registers, no spills. Re-tune on the GPU.
+# tiles of down. From `python -m onegraph.scripts.tune_moe --batches 1 --copies 6` on the H200 (35B shape, B = 1,
+# each call on its own weights, benchmarks/h200_moe_tiles.json, a down kernel without the shared expert and the
+# routing of kernel 1): swiglu (4, 256, 4); down (4, 256, 2) 28.9 us for the whole op and (4, 128, 4) 29.3. The
+# down kernel spills at (4, 256, 2) (255 registers, 16 bytes at sm_90; compile_check), so it takes (4, 128, 4):
+# 78 registers, no spills. Re-tune on the GPU.
 BI1, BH1, W1 = 4, 256, 4
 BH2, BI2, W2 = 4, 128, 4
 # One token (the batch-1 decode step): every program loads its rows in as few tiles as fit its registers, so all
@@ -268,25 +268,25 @@ BH2, BI2, W2 = 4, 128, 4
 # step: these loads do not feed a tl.dot, and the compiler does not pipeline them). H200, each call on its own
 # weights and router logits, 12 calls per replayed CUDA graph (benchmarks/h200_moe_bs1_tiles.json): SwiGLU
 # (2, 2048, 2) 12.4 us where (4, 256, 4) took 15.5 (37.7 MB: 71 % of copy bandwidth against 57 %; the
-# in-kernel routing is no longer its critical path: routed in, the same tile took 11.7); down (1, 256, 4) 7.4 us
+# in-kernel routing is off its critical path: routed in, the same tile takes 11.7); down (1, 256, 4) 7.4 us
 # against 8.3 (18.9 MB).
 SWIGLU_ONE = (2, 2048, 2)
 DOWN_ONE = (1, 256, 4)
 # Who finds a pair's expert. In-kernel, each of the SwiGLU kernel's cdiv(I, BI) programs of a routed pair repeats
 # its pair's j + 1 max-reductions over the E router keys before its first weight load, so that prefix grows with
 # the batch; routing first is one _route_kernel program per token (one more launch) and the SwiGLU programs load
-# their expert's index. H200, one 35B layer, each call on its own weights (`python -m onegraph.tools.tune_moe
+# their expert's index. H200, one 35B layer, each call on its own weights (`python -m onegraph.scripts.tune_moe
 # --routing-prefix`, benchmarks/h200_moe_routing_prefix.json): the whole op at B = 1 23.5 us in-kernel vs 25.7
 # routed first (fp32 logits through an extra conversion then), at B = 8 122.8 vs 107.1 us.
 ROUTE_FIRST_FROM = 2
-# Benchmarks only (tools/tune_moe.py, like the tiles above): True / False forces either way. Never set in a model.
+# Benchmarks only (scripts/tune_moe.py, like the tiles above): True / False forces either way. Never set in a model.
 PREROUTED: bool | None = None
 
 
 def decode_tiles(T) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """((BI, BH, warps) of the SwiGLU kernel, (BH, BI, warps) of the down kernel) for a decode call over T tokens;
     fused_moe_fp8's decode kernels take the same above one token."""
-    # bool(): under a symbolic batch (tools/bench_symbolic_batch.py) T == 1 is a SymBool, guarded on the example
+    # bool(): under a symbolic batch (scripts/bench_symbolic_batch.py) T == 1 is a SymBool, guarded on the example
     return (SWIGLU_ONE, DOWN_ONE) if bool(T == 1) else ((BI1, BH1, W1), (BH2, BI2, W2))
 
 

@@ -151,7 +151,7 @@ def _moe_fp8_down_kernel(logits, down, d_s, sh_down, sd_s, act, act_sh, route_w,
 # gate and up per step, kernel 2 [k, BH2, BI2] tiles of down. BI1 and BH2 (weight rows per program) must divide
 # 128: one block row per program. Above one token fused_moe's (fused_moe.decode_tiles). At one token the best of
 # 20 on the H200, each call on its own weights, 12 calls per replayed CUDA graph (`python -m
-# onegraph.tools.bench_moe_fp8 --batches 1 --copies 12`, benchmarks/h200_moe_fp8_bs1_tiles.json): 16.2 us per call
+# onegraph.scripts.bench_moe_fp8 --batches 1 --copies 12`, benchmarks/h200_moe_fp8_bs1_tiles.json): 16.2 us per call
 # (27.5 MB: 1.75 TB/s) where (2, 2048, 2) / (2, 512, 4) took 16.7 and the bf16 op 20.4; routing first in its own
 # kernel is slower (18.2).
 ONE = ((4, 2048, 4), (2, 512, 4))

@@ -108,7 +108,7 @@ def _strides2(t: torch.Tensor):
 
 # (BN cap, BK cap, warps, stages) of the grouped SwiGLU and down kernels; the caps divide 128, so a weight tile
 # lies in one 128x128 block (one scale). At the 35B shape, 64 tokens (222 distinct experts), one call per weight
-# copy in a replayed CUDA graph (`python -m onegraph.tools.bench_moe_fp8 --batches 64 --copies 6`,
+# copy in a replayed CUDA graph (`python -m onegraph.scripts.bench_moe_fp8 --batches 64 --copies 6`,
 # benchmarks/h200_moe_fp8_b64.json): SwiGLU (32, 128) 291 us a call against 347 at fused_moe_prefill's (64, 64);
 # no down tile of 20 beat (64, 64) by more than 2 %.
 TILES = {"swiglu": (32, 128, 4, 3), "down": (BN_MAX, BK_MAX, 4, 3)}

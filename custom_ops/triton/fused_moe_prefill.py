@@ -125,7 +125,7 @@ def _combine_kernel(logits, y_pair, y_sh, out, s_l_t, s_o_t, s_o_h,
     tl.store(out + t * s_o_t + cols * s_o_h, to_dt(res, RT), mask=mc)
 
 
-# Tile caps (tunable with tools/bench_ops.py). BM adapts to the rows per expert (P / E), from 16 (the
+# Tile caps (tunable with scripts/bench_ops.py). BM adapts to the rows per expert (P / E), from 16 (the
 # smallest tensor-core M) to 64; BN x BK = 64 x 64 weight tiles.
 BM_MAX, BN_MAX, BK_MAX = 64, 64, 64
 BH_COMBINE = 256

@@ -9,7 +9,7 @@ for all M rows of x:
 - 1 < M <= GEMV_MAX_M: tl.dot of x [BM = 16, BK] (rows >= M masked to 0) with the tile transposed,
   fp32 accumulation (tensor cores; the padding rows cost compute, which is free here).
 The tile (BN, BK, warps, stages) is chosen from (M, K) only — never from N — so every output column is
-the same sum in the same order whatever N is: a weight concatenated along N (graphs/fuse.py) gives
+the same sum in the same order whatever N is: a weight concatenated along N (models/qwen3_5/fuse.py) gives
 bit-identical columns to the separate weights. Above GEMV_MAX_M rows the aten GEMM (cuBLAS) runs.
 """
 from __future__ import annotations
@@ -144,7 +144,7 @@ def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps,
 
 # (BN, BK, num_warps, num_stages) by (M == 1, K): the tile with the least time per 35B decode step over
 # that class's projections (fused GDN in_proj x30, fused attention qkv x10, out/o_proj x40), measured on
-# the H200 by `python -m onegraph.tools.bench_linear` (benchmarks/h200_linear.json). At M = 1 it reads the
+# the H200 by `python -m onegraph.scripts.bench_linear` (benchmarks/h200_linear.json). At M = 1 it reads the
 # fused GDN in_proj (50.6 MB) in 13.7 us (87 % of copy bandwidth; cuBLAS 15.6 us), out_proj (16.8 MB,
 # K = 4096) in 6.5 us (61 %; cuBLAS 9.4 us: a fixed ~2 us of launch and ramp-up dominates at this size).
 # K = 4096 at M = 1 then took one row whole per program, (1, 4096, 8, 1): 5.9 us against 6.6 for (4, 128, 8, 1)
@@ -161,7 +161,7 @@ DEFAULT_TILE = {True: (4, 128, 8, 3), False: (32, 128, 4, 4)}
 
 # add_rms_norm_linear at M = 1 (REGS): (BN, warps) with BK the whole row, up to NORM_ROW_MAX_K columns (a
 # [BN, K] weight tile in registers: 64 values a thread at (4, 2048, 4 warps)). The best of 9 (BN, warps) over a
-# 35B step on the H200 (`python -m onegraph.tools.bench_linear --norm --rows 1`, benchmarks/h200_linear_norm.json,
+# 35B step on the H200 (`python -m onegraph.scripts.bench_linear --norm --rows 1`, benchmarks/h200_linear_norm.json,
 # second run: the weight load issued before the norm prologue): GDN in_proj 14.2 us, attention [q; k; v] 11.0
 # (norm kernel + GEMV: 15.3, 12.9); the router 2.35 (its own best, (4, 8), 2.26).
 NORM_ROW_TILE, NORM_ROW_MAX_K = (4, 4), 4096
@@ -172,7 +172,7 @@ def norm_row_tile(K: int) -> tuple[int, int, int, int]:
 
 
 def tile(M: int, K: int) -> tuple[int, int, int, int]:
-    # bool(): under a symbolic batch (tools/bench_symbolic_batch.py) M == 1 is a SymBool, and using it in the
+    # bool(): under a symbolic batch (scripts/bench_symbolic_batch.py) M == 1 is a SymBool, and using it in the
     # TILES key made the export's decomposition crash inside sympy; bool() guards M on the trace's example
     one = bool(M == 1)
     bn, bk, warps, stages = TILES.get((one, K), DEFAULT_TILE[one])

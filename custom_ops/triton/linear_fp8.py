@@ -15,7 +15,7 @@ BM rows of x:
   either round the weight to bf16 (not the reference: transformers' bf16 path, 2**-9 per weight) or need
   an fp32 GEMM (no tensor cores, ~15x slower on the H100), and would write and re-read the weight.
 The tile (BM, BN, BK, warps, stages) depends on (M class, K) only, never on N, so a weight concatenated
-along N (graphs/fuse.py) gives bit-identical columns to the separate weights, as custom_ops/triton/linear.py.
+along N (models/qwen3_5/fuse.py) gives bit-identical columns to the separate weights, as custom_ops/triton/linear.py.
 The Triton 3.6 interpreter (CPU tests) loads float8_e4m3fn pointers and converts every finite e4m3 value
 exactly (all 254 checked; it reads the two NaN encodings as +-480, which no checkpoint holds), so the
 weight is passed as float8_e4m3fn on both paths.
@@ -110,7 +110,7 @@ def _fp8_kernel(x, w, s, y, M, N, s_x_m, s_w_n, s_s_n, s_y_m, res, nw, normed, h
 
 # (BM, BN, BK, num_warps, num_stages) by M class: 1 (GEMV), 2..GEMV_MAX_M (dot, 16 rows), above (prefill),
 # and K for the GEMV. GEMV tiles: the least time per 35B decode step over the FP8 projections of that K,
-# `python -m onegraph.tools.bench_linear --fp8 --rows 1,4,16` on the H200 (benchmarks/h200_linear_fp8.json, one CUDA
+# `python -m onegraph.scripts.bench_linear --fp8 --rows 1,4,16` on the H200 (benchmarks/h200_linear_fp8.json, one CUDA
 # graph over distinct weight copies): the GDN [qkv; z] (25.2 MB) in 8.98 us (67 % of copy bandwidth), attention
 # [q; k; v] (18.9 MB) 8.14, out/o_proj (8.4 MB, K = 4096) 5.23. Rows per program matter most: 4-8 rows (the
 # earlier tile set) read the GDN run in 10.0 us at best; scaling each weight instead of x's tile, 11.15.
@@ -134,7 +134,7 @@ def tile(M: int, K: int) -> tuple[int, int, int, int, int]:
 
 # add_rms_norm_linear_fp8 at M = 1 (REGS): (BN, BK, warps, stages), BN dividing 128. BK < K: the K-looped form
 # (a sum-of-squares pass over x + res, then the GEMV loop making each tile of the normed row). The least time per
-# 35B step over the GDN [qkv; z] (x30) and attention [q; k; v] (x10) folds, `python -m onegraph.tools.bench_linear
+# 35B step over the GDN [qkv; z] (x30) and attention [q; k; v] (x10) folds, `python -m onegraph.scripts.bench_linear
 # --fp8 --norm --rows 1` on the H200 (benchmarks/h200_linear_fp8_norm.json): 10.96 / 10.6 us against 11.19 / 10.58
 # for the norm kernel + the GEMV, and 16.5 / 13.1 for the whole row in registers at 4 rows a program.
 NORM_ROW_TILE = (16, 256, 4, 2)

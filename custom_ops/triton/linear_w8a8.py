@@ -20,7 +20,7 @@ below):
    Epilogue: y = (fp32(acc) * s_x[m]) * scale[n], rounded to x.dtype once (the reference's order).
 For int8 every step is exact or the reference's own fp32 operation, so the output equals the reference bit
 for bit; for e4m3 it differs by fp32 summation order only.
-The tile depends on (M class, K) only, never on N, so a weight concatenated along N (graphs/fuse.py) gives
+The tile depends on (M class, K) only, never on N, so a weight concatenated along N (models/qwen3_5/fuse.py) gives
 bit-identical columns to the separate weights. Tiles are not tuned on a GPU yet.
 """
 from __future__ import annotations

@@ -322,7 +322,7 @@ def run(logits, temperature, top_k, top_p, seed, position, nsplit: int, nb: int,
         raise ValueError(f"sample: {nsplit} chunks of {nb} tiles of {bv} do not cover V={V} (or not powers of 2)")
     f32 = dict(dtype=torch.float32, device=logits.device)
     i32 = dict(dtype=torch.int32, device=logits.device)
-    # per (row, chunk) partials, not zero-filled (that was 6 launches a step): a greedy row's chunks write no
+    # per (row, chunk) partials, not zero-filled (zero-filling costs 6 launches a step): a greedy row's chunks write no
     # Gumbel partials (w_*, p_*, cand), and the pick kernel reads them only for a sampled row, whose chunks
     # all write every one of them
     g_val, g_idx = torch.empty((B, nsplit), **f32), torch.empty((B, nsplit), **i32)

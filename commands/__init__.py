@@ -1,0 +1,1 @@
+"""The user commands behind `onegraph eval`, `bench` and `bench-serve` (cli.py parses and dispatches)."""

@@ -1,0 +1,112 @@
+"""Tile sweep for the fused_moe decode kernels (custom_ops/triton/fused_moe.py) at the Qwen3.5-35B-A3B
+shape on a CUDA device: µs per call for each (BI1, BH1, W1) of the SwiGLU kernel and (BH2, BI2, W2) of
+the down kernel (at one token: SWIGLU_ONE and DOWN_ONE), one kernel's tiles varied at a time.
+
+    python -m onegraph.scripts.tune_moe --batches 1,8 --out moe_tiles.json
+    python -m onegraph.scripts.tune_moe --batches 1 --routing-prefix --out moe_routing_prefix.json
+
+--routing-prefix: instead of the sweep, what finding the routing inside the SwiGLU kernel costs at the default
+tiles: the op routing in-kernel, the op routing first with _route_kernel (fused_moe.PREROUTED forces either),
+and that routing kernel alone; prefix_us = in-kernel - (route first - routing alone); model_routes_first: which
+of the two fused_moe.route_first picks at that batch.
+
+Each timing is one CUDA graph of `copies` calls, each on its own copy of the layer's weights and its
+own input (so its own experts): in a model every layer reads experts no earlier call left in L2. (A
+sweep that called one layer's weights again and again let them sit in L2, and ranked the tiles by
+latency from L2, not from memory.)
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+
+import torch
+
+
+def time_copies(fn, cases, reps: int = 10) -> float:
+    """µs per call: one call per case, all captured in one CUDA graph, replayed `reps` times."""
+    from onegraph.scripts.bench_ops import time_graph
+    return time_graph(lambda: [fn(*c) for c in cases], (), 1, reps, 1) / len(cases)
+
+
+def set_tiles(B: int, tiles) -> None:
+    """fused_moe.decode_tiles (also fused_moe_fp8's) reads SWIGLU_ONE / DOWN_ONE at one token and BI1.. above it:
+    tiles = (swiglu BI, BH, warps, down BH, BI, warps)."""
+    from onegraph.custom_ops.triton import fused_moe as mod
+    if B == 1:
+        mod.SWIGLU_ONE, mod.DOWN_ONE = tuple(tiles[:3]), tuple(tiles[3:])
+    else:
+        mod.BI1, mod.BH1, mod.W1, mod.BH2, mod.BI2, mod.W2 = tiles
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 8])
+    ap.add_argument("--copies", type=int, default=6, help="weight copies per graph (1.6 GB each at the 35B shape)")
+    ap.add_argument("--routing-prefix", action="store_true", help="measure the in-kernel routing's cost (docstring)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    from onegraph.custom_ops.triton import fused_moe as mod
+    from onegraph.scripts.bench_ops import MOE, rand
+    g = torch.Generator(device="cuda").manual_seed(0)
+    H, E, I, Is, k = (MOE[x] for x in ("H", "E", "I", "Is", "top_k"))
+    weights = [(rand(g, E, H, scale=H ** -0.5), rand(g, E, 2 * I, H, scale=H ** -0.5), rand(g, E, H, I, scale=I ** -0.5),
+                rand(g, Is, H, scale=H ** -0.5), rand(g, Is, H, scale=H ** -0.5), rand(g, H, Is, scale=Is ** -0.5),
+                rand(g, 1, H, scale=H ** -0.5)) for _ in range(args.copies)]
+    base = {"many": (mod.BI1, mod.BH1, mod.W1, mod.BH2, mod.BI2, mod.W2), "one": mod.SWIGLU_ONE + mod.DOWN_ONE}
+
+    # 1-2 warps too: a routed program's in-kernel routing is j + 1 block reductions, cheaper the fewer warps
+    # it spans, and smaller programs fit more per SM. Tiles whose fp32 accumulators would take more than 64
+    # registers a thread (two [BI, BH] in kernel 1, [k, BH, BI] in kernel 2) are left out: they spill.
+    k1 = [c for c in itertools.product((1, 2, 4, 8, 16), (128, 256, 512, 1024, 2048), (1, 2, 4, 8))
+          if c[0] * c[1] <= 64 * 32 * c[2]]
+    k2 = [c for c in itertools.product((1, 2, 4, 8), (128, 256, 512), (1, 2, 4, 8)) if 8 * c[0] * c[1] <= 64 * 32 * c[2]]
+    res = {"command": "python -m onegraph.scripts.tune_moe " + " ".join(sys.argv[1:] if argv is None else argv),
+           "default": base, "copies": args.copies, "rows": []}
+    fn = torch.ops.onegraph.fused_moe_triton
+    for B in args.batches:
+        cases = []
+        for router, *experts, sgw in weights:                 # fused_moe takes the logits: x @ [router; sgw].T
+            x = rand(g, B, H)
+            cases.append((x, torch.nn.functional.linear(x, torch.cat([router, sgw])), *experts, k))
+        if args.routing_prefix:
+            us = {}
+            for first in (False, True):
+                mod.PREROUTED = first
+                try:
+                    us[first] = time_copies(fn, cases)
+                finally:
+                    mod.PREROUTED = None
+            alone = time_copies(lambda x, logits, *rest: mod.route_triton(logits[:, :E], k), cases)
+            res["rows"].append({"B": B, "in_kernel_us": round(us[False], 2), "route_first_us": round(us[True], 2),
+                                "routing_alone_us": round(alone, 2), "prefix_us": round(us[False] - (us[True] - alone), 2),
+                                "model_routes_first": mod.route_first(B)})
+            print(json.dumps(res["rows"][-1]), flush=True)
+            continue
+        start = base["one" if B == 1 else "many"]
+        for which, grid in (("swiglu", k1), ("down", k2)):
+            for cfg in grid:
+                set_tiles(B, cfg + start[3:] if which == "swiglu" else start[:3] + cfg)
+                try:
+                    us = time_copies(fn, cases)
+                except Exception as e:  # a config that does not compile: record and go on
+                    us = None
+                    print(which, cfg, type(e).__name__, str(e)[:200], file=sys.stderr)
+                res["rows"].append({"B": B, "kernel": which, "cfg": cfg, "us": us})
+                print(json.dumps(res["rows"][-1]), flush=True)
+        set_tiles(B, start)
+    if args.routing_prefix:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+        return 0
+    res["best"] = {f"B{B} {w}": min((r for r in res["rows"] if r["B"] == B and r["kernel"] == w and r["us"]),
+                                    key=lambda r: r["us"]) for B in args.batches for w in ("swiglu", "down")}
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
