@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-HELDOUT_TEXT = Path(__file__).resolve().parent.parent / "graphs" / "tiny_weights" / "heldout.txt"
+HELDOUT_TEXT = Path(__file__).resolve().parent.parent / "models" / "qwen3_5" / "tiny_weights" / "heldout.txt"
 DEFAULT_CTX = 256
 EAGER_BATCH = 64
 

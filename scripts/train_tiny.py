@@ -54,7 +54,7 @@ AUX_WEIGHT = 0.01         # Switch Transformer's load-balancing coefficient
 # site-packages is not the stdlib; the test suites, the codec tables (encodings/) and the help text held in
 # one string (pydoc_data/) are mostly data, not code (the tables are 12 % of the bytes, aligned whitespace)
 EXCLUDED_DIRS = ("site-packages", "test", "tests", "idle_test", "encodings", "pydoc_data")
-WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "graphs" / "tiny_weights"
+WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "models" / "qwen3_5" / "tiny_weights"
 HELDOUT_LIST = WEIGHTS_DIR / "heldout_files.txt"
 HELDOUT_SLICE = 512       # bytes per held-out file in the bundled evaluation text
 
