@@ -1,4 +1,4 @@
-"""The `onegraph` command line: init-tiny, generate, export, bench, inspect, eval, serve.
+"""The `onegraph` command line: init-tiny, generate, export, bench, inspect, eval, draft-vocab, serve.
 
 User errors (missing directory, bad ids, unknown model_type, bad artifact) print one line to
 stderr and exit 2 — never a traceback.
@@ -105,6 +105,13 @@ def spec_tokens(k: int | None) -> int:
     return k or 0
 
 
+def draft_vocab_size(n: int | None) -> int:
+    """--draft-vocab: absent -> 0 (the whole vocabulary); given, at least 1 (its upper bound is the model's)."""
+    if n is not None and n < 1:
+        raise UserError(f"--draft-vocab must be >= 1 (the ids the head drafts over), got {n}")
+    return n or 0
+
+
 def cmd_export(args) -> int:
     from onegraph.export.pipeline import DEFAULT_CACHE_DIR, ExportOptions, export, summary_text
     opts = ExportOptions(device=args.device, dtype=args.dtype, backend=args.backend,
@@ -114,7 +121,8 @@ def cmd_export(args) -> int:
                          eager_rounding=not args.fused_rounding, fp32_reduce=args.fp32_reduce,
                          allow_unused_weights=args.allow_unused_weights, quant=args.quant,
                          speculative_tokens=spec_tokens(args.speculative_tokens), weights=args.weights,
-                         fp8_lm_head=args.fp8_lm_head)
+                         fp8_lm_head=args.fp8_lm_head, draft_vocab=draft_vocab_size(args.draft_vocab),
+                         draft_vocab_file=args.draft_vocab_file)
     from onegraph.export.staging import ExportInterrupted
     from onegraph.export.workers import LoweringError
     try:
@@ -385,6 +393,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-tokens", type=int, default=None, metavar="K",
                    help="also export speculative graphs: the checkpoint's MTP head drafts K (1..4) tokens per round, "
                         "verified by the model in one pass (a checkpoint with mtp.* weights; --backend aoti, --tp 1)")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="with --speculative-tokens: the MTP head drafts over the N ids of --draft-vocab-file ranked "
+                        "first (tiny: a builtin ranking); the verify still decides every token over the whole "
+                        "vocabulary, so the output is unchanged (recorded in the manifest with the ids' sha256)")
+    p.add_argument("--draft-vocab-file", default=None, metavar="FILE",
+                   help="a draft-vocab JSON made by `onegraph draft-vocab MODEL TEXT... --out FILE`")
     p.add_argument("--weights", default="copy", choices=["copy", "reference"],
                    help="copy (default): the graph weights in the artifact's weights.safetensors; reference: the "
                         "artifact records the checkpoint's files (absolute path, size, sha256) and the recipe, and "
@@ -421,6 +435,12 @@ def build_parser() -> argparse.ArgumentParser:
     from onegraph.commands.eval import add_args as eval_args
     eval_args(p)
     p.set_defaults(fn=cmd_eval)
+
+    p = sub.add_parser("draft-vocab", help="rank a model's token ids by frequency on a text corpus, for "
+                                           "`export --draft-vocab N --draft-vocab-file FILE`")
+    from onegraph.commands.draft_vocab import add_args as draft_vocab_args, run as draft_vocab_run
+    draft_vocab_args(p)
+    p.set_defaults(fn=draft_vocab_run)
 
     p = sub.add_parser("serve", help="serve an artifact over an OpenAI-compatible HTTP API")
     p.add_argument("artifact")

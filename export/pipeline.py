@@ -34,10 +34,12 @@ from onegraph.custom_ops import schema_versions
 from onegraph.custom_ops.sample import Sampling
 from onegraph.graphs.eager import generate_eager, router_margins
 from onegraph.graphs.fp32_compute import LOW, generate_eager_fp32
+from onegraph.checkpoint.draft_vocab import draft_ids, ids_sha256
 from onegraph.checkpoint.load import check_checkpoint, family, model_dir, quant_method, resolve_dtype
 from onegraph.checkpoint.quant import QUANT_CHOICES, SCHEMES, resolve
 from onegraph.checkpoint.recipe import checkpoint_files, load_tp1, rank_model, recipe_of, state_tensors, tensors_sha256
 from onegraph.graphs.signature import graph_spec, split_inputs, state_manifest
+from onegraph.graphs.spec import prune_draft_vocab
 from onegraph.runtime.artifact import (device_descriptor, load_manifest, manifest_unverified, tool_versions,
                                        write_manifest)
 from onegraph.runtime.weight_refs import sha256_files
@@ -70,6 +72,8 @@ class ExportOptions:
     quant: str = "auto"                        # dense projections' weights (checkpoint/quant.py): auto (the checkpoint's;
                                                # resolved before export) | none (model dtype) | fp8 | int8 | fp8-channel
     speculative_tokens: int = 0                # > 0: MTP draft + verify graphs of k drafts (graphs/spec_graphs.py)
+    draft_vocab: int = 0                       # > 0: the head drafts over that many ids (graphs/spec.py prune_draft_vocab)
+    draft_vocab_file: str | None = None        # their ranking (commands/draft_vocab.py); None: tiny's builtin one
     fp8_lm_head: bool = False                  # the output projection as block FP8 too (checkpoint/quant.py quantize_lm_head)
     weights: str = "copy"                      # copy: weights.safetensors in the artifact | reference: the checkpoint's
                                                # files by path + sha256, made into the weights at load (checkpoint/recipe.py)
@@ -118,6 +122,13 @@ class ExportOptions:
                 raise ValueError(f"--speculative-tokens must be in 1..{kmax}, got {self.speculative_tokens}")
             if self.backend != "aoti" or self.tp > 1:
                 raise ValueError("--speculative-tokens needs --backend aoti and --tp 1 (the MTP head is not sharded)")
+        if (self.draft_vocab or self.draft_vocab_file) and not self.speculative_tokens:
+            raise ValueError("--draft-vocab prunes the speculative draft head: it needs --speculative-tokens K")
+        if self.draft_vocab_file and not self.draft_vocab:
+            raise ValueError("--draft-vocab-file needs --draft-vocab N (how many of its ids the head drafts over)")
+        if self.draft_vocab and self.weights != "copy":
+            raise ValueError("--draft-vocab needs --weights copy (referenced weights are remade from the checkpoint "
+                             "alone, which holds no draft vocabulary)")
         resolve_dtype(self.dtype)
 
 
@@ -196,6 +207,8 @@ def export(model_spec: str, out_dir: str | Path, opts: ExportOptions, progress: 
     if opts.speculative_tokens and "MTP" not in tensors.skipped:
         raise ValueError(f"--speculative-tokens needs a checkpoint with an MTP head (mtp.* weights): "
                          f"{model_spec} has none")
+    if opts.draft_vocab:                                # its file and ids checked before anything is loaded
+        draft_ids(model_spec, opts.draft_vocab, cfg.vocab_size, opts.draft_vocab_file)
     family(cfg).check_divisible(cfg, opts.tp)
     if jobs is not None and jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
@@ -234,6 +247,9 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
     # the options that decide the weights: a referencing artifact records them and the runtime repeats this path
     recipe = recipe_of(opts.dtype, opts.quant, opts.fp32_reduce, opts.allow_unused_weights, k > 0, tp, opts.fp8_lm_head)
     cfg, model, src = load_tp1(model_spec, recipe, dev)
+    draft = draft_ids(model_spec, opts.draft_vocab, cfg.vocab_size, opts.draft_vocab_file) if opts.draft_vocab else None
+    if draft is not None:
+        prune_draft_vocab(model, draft)
     ranks = shard(model, opts)
     family(cfg).fuse_projections(model)   # the TP-1 eager model records the fixture: the same projections
 
@@ -369,6 +385,9 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
         "weight_shapes": {n: list(t.shape) for n, t in weights.items()},
         "fixture": "fixture.safetensors", "timings_s": timings, "speculative_tokens": k,
     }
+    if draft is not None:                              # the ids are the weight model.mtp.draft_ids; this names them
+        manifest["draft_vocab"] = {"size": len(draft), "sha256": ids_sha256(draft),
+                                   "source": opts.draft_vocab_file or "builtin (tiny's training corpus)"}
     if opts.weights == "reference":
         manifest["weights_reference"] = reference(model_spec, src, recipe, digests, nbytes)
     if opts.backend == "aoti":

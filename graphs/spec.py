@@ -93,6 +93,35 @@ def _stack(model, layers, final_norm, h, state, mixer):
     return type(model)._layers(_Stack(model, layers, final_norm), h, state, mixer)
 
 
+def prune_draft_vocab(model: Qwen35Model, ids: torch.Tensor) -> None:
+    """The MTP head drafts over `ids` [N] int64 only (a pruned draft vocabulary, FR-Spec's idea; the ids a corpus
+    uses most, commands/draft_vocab.py): model.mtp.draft_head [N, H] holds the head's rows at those ids in the
+    model dtype (a block-FP8 head's rows dequantized: its 128-row blocks do not survive the gather) and
+    model.mtp.draft_ids the ids. At 35B a draft token then reads N x 2048 of the head instead of 248,320 x 2048
+    (1.02 GB in bf16). The verify still decides every token over the whole vocabulary, so the output is what
+    speculation off emits; only acceptance can fall (a target outside the N ids is never drafted)."""
+    dtype = model.embed_tokens.weight.dtype
+    w = model.lm_head_weight
+    rows = w.index_select(0, ids.to(w.device))                                    # [N, H]
+    if w.dtype == torch.float8_e4m3fn:
+        from onegraph.custom_ops.linear_fp8 import BLOCK
+        scale = model.lm_head.weight_scale_inv.index_select(0, ids.to(w.device) // BLOCK)   # [N, ceil(H/128)]
+        rows = rows.float() * scale.repeat_interleave(BLOCK, 1)[:, : rows.shape[1]]
+    model.mtp.register_buffer("draft_ids", ids.to(device=w.device, dtype=torch.int64))
+    model.mtp.draft_head = torch.nn.Parameter(rows.to(dtype).contiguous(), requires_grad=False)
+
+
+def draft_logits(model: Qwen35Model, y):
+    """The head's logits to draft from, y [N, H] final-normed -> [N, V] fp32: the full head's, or with a pruned
+    draft vocabulary its N rows' logits at their ids and -inf at every other id, so the sampler draws each id
+    with the same (seed, position) noise as over the full head (ops.sample: a -inf logit is never chosen)."""
+    if not hasattr(model.mtp, "draft_ids"):
+        return model._logits(y)
+    part = ops.linear(y, model.mtp.draft_head).float()                           # [N, n_draft]
+    full = torch.full((y.shape[0], model.cfg.vocab_size), float("-inf"), device=y.device)
+    return full.index_copy(1, model.mtp.draft_ids, part)
+
+
 def _sample(logits, sampling, positions):
     """logits [N, V] fp32, sampling = (temperature, top_k, top_p, seed) each [1], positions [N] -> ids [N]."""
     n = logits.shape[0]
@@ -167,7 +196,7 @@ def mtp_draft(model: Qwen35Model, k: int, hidden, next_tokens, slot, start_pos, 
     y = mtp_catch_up(model, hidden, next_tokens, slot, start_pos, n_valid, *mtp_state)
     q0 = start_pos + n_valid - 1                                              # [1]
     y = y.index_select(0, (n_valid - 1).clamp(min=0))                         # [1, H]
-    drafts = [_sample(model._logits(y), sampling, q0 + 1)]
+    drafts = [_sample(draft_logits(model, y), sampling, q0 + 1)]
     for i in range(2, k + 1):
         pos = q0 + i - 1
 
@@ -175,7 +204,7 @@ def mtp_draft(model: Qwen35Model, k: int, hidden, next_tokens, slot, start_pos, 
             return layer.self_attn.decode(x, slot, pos, model.inv_freq, *st)
 
         y = _stack(model, head.layers, head.norm, _head_in(model, y, drafts[-1]), mtp_state, step)
-        drafts.append(_sample(model._logits(y), sampling, q0 + i))
+        drafts.append(_sample(draft_logits(model, y), sampling, q0 + i))
     return torch.cat(drafts)
 
 

@@ -49,7 +49,8 @@ import torch
 
 from onegraph.models.qwen3_5.model import Qwen35Model
 from onegraph.models.state import StateTensor
-from onegraph.graphs.spec import _head_in, _stack, check_k, mtp_catch_up, mtp_state_spec, prefill_hidden
+from onegraph.graphs.spec import (_head_in, _stack, check_k, draft_logits, mtp_catch_up, mtp_state_spec,
+                                  prefill_hidden)
 
 ops = torch.ops.onegraph
 
@@ -126,11 +127,11 @@ def step(model: Qwen35Model, k: int, tokens, slots, temperature, top_k, top_p, s
     # 1. draft: d1 from spec.y (head position p-1), d_i from head position p+i-2 on (y, d_{i-1});
     #    d_i is sampled with the noise of position p+i-1, where the target for the same token is sampled
     y = spec_y.index_select(0, slots)                                             # [B, H]
-    drafts = [ops.sample(model._logits(y), *sampling, pos)]
+    drafts = [ops.sample(draft_logits(model, y), *sampling, pos)]
     for i in range(2, k + 1):
         hpos = pos + (i - 2)
         y = _head_step(model, y, drafts[-1], inside(hpos, slots), hpos, head)
-        drafts.append(ops.sample(model._logits(y), *sampling, pos + (i - 1)))
+        drafts.append(ops.sample(draft_logits(model, y), *sampling, pos + (i - 1)))
     drafts = torch.stack(drafts, 1)                                               # [B, k]
 
     # 2. verify: the main model over [x_p, d1..dk] at positions p..p+k, a decode step of B*T rows

@@ -59,8 +59,10 @@ def heldout_prompts(path: Path, n: int, length: int) -> list[list[int]]:
     return [list(data[i * step: i * step + length]) for i in range(n)]
 
 
-def bench_model(spec: str, prompts: list[list[int]], ks: list[int], max_new: int) -> dict | None:
-    """Speculation off, then on for each k, over `prompts` -> the JSON entry (None: a run differed)."""
+def bench_model(spec: str, prompts: list[list[int]], ks: list[int], max_new: int, draft_vocab: int = 0,
+                draft_vocab_file: str | None = None) -> dict | None:
+    """Speculation off, then on for each k, over `prompts` -> the JSON entry (None: a run differed).
+    draft_vocab > 0: the head drafts over that many ids (graphs/spec.py prune_draft_vocab)."""
     from onegraph.graphs.eager import generate_eager
     from onegraph.checkpoint.load import load_model
     from onegraph.graphs.spec import generate_spec
@@ -76,7 +78,12 @@ def bench_model(spec: str, prompts: list[list[int]], ks: list[int], max_new: int
             t = json.loads(log.read_text())
             entry["trained_by"] = t.get("command")
             entry["final_held_out"] = (t.get("held_out") or [None])[-1]
-    _, model, _ = load_model(path, mtp=True)
+    cfg, model, _ = load_model(path, mtp=True)
+    if draft_vocab:
+        from onegraph.checkpoint.draft_vocab import draft_ids
+        from onegraph.graphs.spec import prune_draft_vocab
+        prune_draft_vocab(model, draft_ids(spec, draft_vocab, cfg.vocab_size, draft_vocab_file))
+    entry["draft_vocab"] = draft_vocab or cfg.vocab_size
     generate_eager(model, prompts[0], 8)                                  # warm-up (first-call costs)
     generate_spec(model, prompts[0], 8, ks[0])
     off_s, off_tokens, refs = 0.0, 0, []
@@ -104,7 +111,7 @@ def bench_model(spec: str, prompts: list[list[int]], ks: list[int], max_new: int
         rows.append({"k": k, "verifies": len(accepted), "accepted_mean": round(mean, 4),
                      "acceptance_length": round(mean + 1, 4), "tok_s": round(tokens / secs, 1),
                      "tok_s_vs_off": round(tokens / secs / off_tok_s, 3)})
-        print(f"{spec} k={k}: acceptance length {mean + 1:.3f} ({len(accepted)} verifies), "
+        print(f"{spec} draft vocab {entry['draft_vocab']} k={k}: acceptance length {mean + 1:.3f} ({len(accepted)} verifies), "
               f"{tokens / secs:.1f} tok/s (off {off_tok_s:.1f})")
     entry.update({"identical_to_speculation_off": True, "off": {"tok_s": round(off_tok_s, 1), "tokens": off_tokens},
                   "speculative": rows})
@@ -124,6 +131,9 @@ def add_run_args(ap: argparse.ArgumentParser) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m onegraph.scripts.bench_spec")
     ap.add_argument("--model", action="append", help=f"checkpoint dir or {RANDOM_MTP} (default), repeatable")
+    ap.add_argument("--draft-vocab", default="0", help="comma-separated draft vocabulary sizes (0: the whole "
+                                                       "vocabulary), one entry per model and size")
+    ap.add_argument("--draft-vocab-file", default=None, help="their ranking (default: tiny's builtin one)")
     add_run_args(ap)
     args = ap.parse_args(argv)
 
@@ -133,10 +143,11 @@ def main(argv=None) -> int:
     prompts = heldout_prompts(args.prompts, args.n_prompts, args.prompt_len)
     models = []
     for spec in args.model or [RANDOM_MTP]:
-        entry = bench_model(spec, prompts, ks, args.max_new_tokens)
-        if entry is None:
-            return 1
-        models.append(entry)
+        for n in (int(v) for v in args.draft_vocab.split(",")):
+            entry = bench_model(spec, prompts, ks, args.max_new_tokens, n, args.draft_vocab_file)
+            if entry is None:
+                return 1
+            models.append(entry)
     res = {
         "command": "python -m onegraph.scripts.bench_spec " + " ".join(argv if argv is not None else sys.argv[1:]),
         "prompts": f"{args.n_prompts} x {args.prompt_len} bytes of {args.prompts.name}, evenly spaced",

@@ -209,15 +209,13 @@ def trained(one_thread):
     return load_model("tiny", mtp=True)[1]
 
 
-@pytest.mark.parametrize("k", [1, 2, 4])
-def test_batched_round_through_the_engine(trained, k):
-    """The exported round (graphs/spec_graphs.py: batched slots, positions on the device), run eagerly under
-    the runtime Engine (GraphExecutor.from_model), with the trained head: two concurrent requests, one greedy
-    and one sampled, give generate_eager's ids; drafts are accepted and rejected."""
+def _engine_round(model, k):
+    """Two concurrent requests (one greedy, one sampled) through the Engine on the exported round run eagerly
+    -> speculation stats; each request's ids must be generate_eager's."""
     import threading
     from onegraph.runtime.engine import Engine
     from onegraph.runtime.executor import GraphExecutor
-    ex = GraphExecutor.from_model(trained, {"decode": [2], "prefill": [16], "spec": [2]}, 2, 128, speculative_tokens=k)
+    ex = GraphExecutor.from_model(model, {"decode": [2], "prefill": [16], "spec": [2]}, 2, 128, speculative_tokens=k)
     eng = Engine(ex)
     reqs = [(PROMPT, 32, Sampling()), (list(b"import os\nimport sys\n"), 24, Sampling(0.8, 40, 0.95, 5))]
     got = [None, None]
@@ -235,8 +233,57 @@ def test_batched_round_through_the_engine(trained, k):
     finally:
         eng.close()
     for (p, n, sp), r in zip(reqs, got):
-        assert r.token_ids == generate_eager(trained, p, n, sp).token_ids
+        assert r.token_ids == generate_eager(model, p, n, sp).token_ids
+    return s
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_batched_round_through_the_engine(trained, k):
+    """The exported round (graphs/spec_graphs.py: batched slots, positions on the device), run eagerly under
+    the runtime Engine (GraphExecutor.from_model), with the trained head: two concurrent requests, one greedy
+    and one sampled, give generate_eager's ids; drafts are accepted and rejected."""
+    s = _engine_round(trained, k)
     assert 0 < s["accepted_drafts"] < s["rounds"] * k
+
+
+@pytest.fixture(scope="module")
+def pruned(one_thread):
+    """The trained tiny whose head drafts over the 64 ids its training corpus uses most (the builtin ranking)."""
+    from onegraph.checkpoint.draft_vocab import draft_ids
+    from onegraph.checkpoint.load import load_model
+    from onegraph.graphs.spec import prune_draft_vocab
+    cfg, model, _ = load_model("tiny", mtp=True)
+    prune_draft_vocab(model, draft_ids("tiny", 64, cfg.vocab_size, None))
+    return model
+
+
+def test_pruned_draft_logits_are_the_heads_at_its_ids(pruned):
+    """draft_logits: at the 64 ids the full head's logits (the same rows), -inf at every other id."""
+    from onegraph.graphs.spec import draft_logits
+    y = torch.randn(3, pruned.cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    ids = pruned.mtp.draft_ids
+    got, full = draft_logits(pruned, y), pruned._logits(y)
+    assert got.shape == full.shape and ids.numel() == 64
+    assert torch.allclose(got[:, ids], full[:, ids], rtol=1e-5, atol=1e-5)
+    rest = torch.ones(full.shape[1], dtype=torch.bool)
+    rest[ids] = False
+    assert torch.isneginf(got[:, rest]).all()
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(0.8, 40, 0.95, 5)], ids=["greedy", "sampled"])
+def test_pruned_draft_vocab_keeps_the_output(pruned, sampling):
+    """Drafts over 64 ids: every draft is one of them, drafts are accepted, and the output is speculation
+    off's, greedy and seeded sampling alike (the verify decides over the whole vocabulary)."""
+    r = generate_spec(pruned, PROMPT, 64, 3, sampling)
+    assert r.token_ids == generate_eager(pruned, PROMPT, 64, sampling).token_ids
+    allowed = set(pruned.mtp.draft_ids.tolist())
+    assert all(d in allowed for ds in r.drafts for d in ds) and sum(r.accepted) > 0
+
+
+def test_pruned_round_through_the_engine(pruned):
+    """The exported round with the pruned head, through the Engine: generate_eager's ids, drafts accepted."""
+    s = _engine_round(pruned, 2)
+    assert 0 < s["accepted_drafts"] < s["rounds"] * 2
 
 
 def test_verify_past_the_kv_cache_is_inert(model, ref):
