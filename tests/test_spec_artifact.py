@@ -1,7 +1,7 @@
 """Speculative decoding through an exported artifact (export --speculative-tokens, runtime Engine, CLI, metrics).
 
-One artifact of the trained builtin tiny model (fp32 CPU, K = 3, decode / spec bucket 2 (one row runs it padded),
-prefill chunk 16, max_seq_len 192) runs with speculation on and off (the same artifact: speculation off uses its decode
+One artifact of the trained builtin tiny model (fp32 CPU, K = 3, the head drafting over the 128 ids of its builtin
+ranking (--draft-vocab 128), decode / spec bucket 2 (one row runs it padded), prefill chunk 16, max_seq_len 192) runs with speculation on and off (the same artifact: speculation off uses its decode
 graphs). The reference is speculation off, and for the first test also the eager model (graphs/eager.py).
 Checked: greedy token identity for 128 tokens with real acceptances; the canaries (staggered requests,
 mixed batches of greedy and sampled rows, a slot reused after rounds with rejections); seeded sampling
@@ -22,6 +22,7 @@ from onegraph.runtime.artifact import Artifact
 
 K = 3
 MAX_SEQ = 192
+DRAFT_VOCAB = 128
 
 
 def heldout_prompts(n, length):
@@ -34,7 +35,7 @@ def spec_artifact(tmp_path_factory):
     from onegraph.export.pipeline import ExportOptions, export
     out = tmp_path_factory.mktemp("art") / "tiny_spec"
     export("tiny", out, ExportOptions(batch_sizes=(2,), prefill_chunks=(16,), max_seq_len=MAX_SEQ,
-                                      speculative_tokens=K), progress=False)
+                                      speculative_tokens=K, draft_vocab=DRAFT_VOCAB), progress=False)
     return out
 
 
@@ -62,6 +63,10 @@ def test_manifest_and_graphs(spec_artifact):
     assert [t.kind for t in Artifact.load(spec_artifact).state_tensors] == [kinds[n] for n in names]
     assert not any(i["name"].startswith(("mtp", "spec.")) for i in m["graphs"]["decode_b2"]["inputs"])
     assert m["graphs"]["spec_b2"]["outputs"] == ["next_ids", "n_accepted", "targets", "drafts"]
+    from onegraph.checkpoint.draft_vocab import draft_ids, ids_sha256
+    ids = draft_ids("tiny", DRAFT_VOCAB, 264, None)
+    assert m["draft_vocab"]["size"] == DRAFT_VOCAB and m["draft_vocab"]["sha256"] == ids_sha256(ids)
+    assert m["weight_shapes"]["model.mtp.draft_ids"] == [DRAFT_VOCAB]
 
 
 def test_greedy_identical_128_tokens(engines, tiny_eager):
