@@ -82,6 +82,18 @@ def time_calls(fn, ws, x, reps: int) -> float:
     return (time.perf_counter() - t) / reps / len(ws) * 1e6
 
 
+def sweep(tiles, call, row: dict) -> dict:
+    """µs of call(cfg) per tile; a tile that does not compile is not a candidate (inf, named in row)."""
+    per = {}
+    for cfg in tiles:
+        try:
+            per[cfg] = call(cfg)
+        except Exception as e:
+            per[cfg] = float("inf")
+            row.setdefault("failed_tiles", []).append(f"{cfg}: {type(e).__name__}")
+    return per
+
+
 NORM_SHAPES = [("gdn_in_proj", 12352, 2048, 30), ("attn_qkv", 9216, 2048, 10), ("router", 257, 2048, 40)]
 # (BN, warps) with at most 64 weights a thread at K = 2048 (BN <= warps): more spills
 NORM_ROW_TILES = [(bn, w) for bn, w in itertools.product((1, 2, 4, 8), (2, 4, 8)) if bn <= w]
@@ -105,16 +117,11 @@ def bench_norm(args, dev, bw) -> dict:
         row["pair_us"] = round(time_calls(pair, ws, x, args.reps), 2)
         row["row_once_us"] = round(time_calls(lambda a, w: lin.gemv(a, w, norm=(res, nw, 1e-6), cfg=lin.tile(1, K)),
                                               ws, x, args.reps), 2)
-        per = {}
-        for bn, warps in NORM_ROW_TILES:
-            cfg = (bn, triton.next_power_of_2(K), warps, 1)
-            try:
-                per[(bn, warps)] = time_calls(lambda a, w: lin.gemv(a, w, norm=(res, nw, 1e-6), cfg=cfg), ws, x, args.reps)
-            except Exception as e:                          # a tile that does not compile: not a candidate
-                per[(bn, warps)] = float("inf")
-                row.setdefault("failed_tiles", []).append(f"{(bn, warps)}: {type(e).__name__}")
-            totals.setdefault((bn, warps), 0.0)
-            totals[(bn, warps)] += per[(bn, warps)] * uses
+        per = sweep(NORM_ROW_TILES, lambda t: time_calls(
+            lambda a, w: lin.gemv(a, w, norm=(res, nw, 1e-6), cfg=(t[0], triton.next_power_of_2(K), t[1], 1)),
+            ws, x, args.reps), row)
+        for t, us in per.items():
+            totals[t] = totals.get(t, 0.0) + us * uses
         row["regs_us"] = {f"{bn},{w}": round(u, 2) for (bn, w), u in sorted(per.items(), key=lambda kv: kv[1])}
         best = min(per, key=per.get)
         row["regs_best"], row["regs_best_us"] = list(best), round(per[best], 2)
@@ -146,14 +153,10 @@ def bench_fp8_norm(args, dev, bw) -> dict:
         row["current_tile"] = list(lin8.norm_tile(K))
         row["current_us"] = round(time_calls(lambda a, w: lin8.matmul(a, w, scale, norm=(res, nw, 1e-6)),
                                              ws, x, args.reps), 2)
-        per = {}
-        for cfg in FP8_NORM_TILES:
-            try:
-                per[cfg] = time_calls(lambda a, w: lin8.matmul(a, w, scale, cfg, norm=(res, nw, 1e-6)), ws, x, args.reps)
-            except Exception as e:                          # a tile that does not compile: not a candidate
-                per[cfg] = float("inf")
-                row.setdefault("failed_tiles", []).append(f"{cfg}: {type(e).__name__}")
-            totals[cfg] = totals.get(cfg, 0.0) + per[cfg] * uses
+        per = sweep(FP8_NORM_TILES, lambda t: time_calls(
+            lambda a, w: lin8.matmul(a, w, scale, t, norm=(res, nw, 1e-6)), ws, x, args.reps), row)
+        for t, us in per.items():
+            totals[t] = totals.get(t, 0.0) + us * uses
         best = min(per, key=per.get)
         row["tiles_us"] = {",".join(map(str, c)): round(u, 2) for c, u in sorted(per.items(), key=lambda cu: cu[1])}
         row["best_tile"], row["best_us"] = list(best), round(per[best], 2)
@@ -208,16 +211,11 @@ def main(argv=None) -> int:
             else:
                 run = lambda a, w, cfg=None: lin.gemv(a, w, cfg)   # noqa: E731
                 tiles, cur = (GEMV_TILES if M == 1 else DOT_TILES), lin.tile(M, K)
-            per = {}
-            for cfg in tiles:
-                try:
-                    per[cfg] = time_calls(lambda a, w: run(a, w, cfg), ws, x, args.reps)
-                except Exception as e:                          # a tile that does not compile: not a candidate
-                    per[cfg] = float("inf")
-                    row.setdefault("failed_tiles", []).append(f"{cfg}: {type(e).__name__}")
-                if uses:                                        # µs per decode step of this class
-                    totals.setdefault((M, K), {}).setdefault(cfg, 0.0)
-                    totals[(M, K)][cfg] += per[cfg] * uses
+            per = sweep(tiles, lambda t: time_calls(lambda a, w: run(a, w, t), ws, x, args.reps), row)
+            if uses:                                            # µs per decode step of this class
+                for t, us in per.items():
+                    totals.setdefault((M, K), {}).setdefault(t, 0.0)
+                    totals[(M, K)][t] += us * uses
             best = min(per, key=per.get)
             row["tiles_us"] = {",".join(map(str, c)): round(u, 2) for c, u in sorted(per.items(), key=lambda cu: cu[1])}
             row["best_tile"], row["best_us"] = list(best), round(per[best], 2)
