@@ -165,7 +165,8 @@ def test_max_tokens_truncation_and_default(client, codec):
     ("{not json", None),
     ("[1, 2]", None),
     ('{"model": "tiny-test"}', "messages"),
-    ('{"model": "nope", "messages": [{"role": "user", "content": "hi"}]}', "model"),
+    ('{"model": "tiny-test", "messages": [{"role": "user", "content": "hi"}], "response_format": '
+     '{"type": "json_object"}}', "response_format"),
     ('{"model": "tiny-test", "messages": [{"role": "user", "content": "hi"}], "temperature": 9}', "temperature"),
     ('{"model": "tiny-test", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}', "temperature"),
     ('{"model": "tiny-test", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', "max_tokens"),
