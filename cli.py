@@ -304,9 +304,7 @@ def cmd_serve(args) -> int:
     import contextlib
     import signal
     import uvicorn
-    from onegraph.runtime import Engine
-    import os
-
+    from onegraph.runtime import Engine, ranks
     from onegraph.runtime.checks import usable_device
     from onegraph.server import limits
     from onegraph.server.app import create_app
@@ -322,21 +320,20 @@ def cmd_serve(args) -> int:
     # bind before the load (at 35B the load takes minutes): a bad or busy port costs nothing. Under
     # torchrun only rank 0 serves; the process group is not joined yet, so torchrun's RANK says which.
     sock = None
-    if not ranks_launched() or os.environ.get("RANK") == "0":
+    if not ranks.launched_by_torchrun() or os.environ.get("RANK") == "0":
         sock = limits.bind(args.host, args.port)
     try:
         art, code = lead_or_follow(args, args.artifact, args.max_slots)   # tensor parallel: rank 0 serves
-    except BaseException:
+        if code is None:
+            engine = Engine.from_artifact(art, max_slots=args.max_slots, max_queue=args.max_queue,
+                                          cuda_graphs=args.cuda_graphs, speculation=args.speculation,
+                                          prefill_budget=args.prefill_budget)
+    except BaseException:              # a refused load: the port is free again at once
         if sock is not None:
             sock.close()
         raise
-    if code is not None:
-        if sock is not None:
-            sock.close()
+    if code is not None:               # a tensor-parallel follower, done
         return code
-    engine = Engine.from_artifact(art, max_slots=args.max_slots, max_queue=args.max_queue,
-                                  cuda_graphs=args.cuda_graphs, speculation=args.speculation,
-                                  prefill_budget=args.prefill_budget)
     name = args.served_model_name or Path(args.artifact).resolve().name
     app = create_app(engine, name, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
     srv = app.state.server
@@ -373,14 +370,8 @@ def cmd_serve(args) -> int:
     finally:
         sock.close()
         engine.close()                 # also releases tensor-parallel followers
-        from onegraph.runtime import ranks
         ranks.leave()
     return 0
-
-
-def ranks_launched() -> bool:
-    from onegraph.runtime import ranks
-    return ranks.launched_by_torchrun()
 
 
 # one example per subcommand: in its --help, and all of them in `onegraph --help`
@@ -571,7 +562,9 @@ def main(argv=None) -> int:
         return 0
     quiet_known_warnings()
     try:
-        return args.fn(args)
+        code = args.fn(args)
+        sys.stdout.flush()                     # here, where a closed pipe is caught, not at interpreter exit
+        return code
     except (UserError, FileNotFoundError, ValueError, NotImplementedError) as e:
         print(f"onegraph {args.cmd}: error: {e}", file=sys.stderr)
         return 2
