@@ -35,5 +35,8 @@ def require_backend(backend: str) -> None:
     mods, extra = BACKEND_PACKAGES[backend]
     missing = [m for m in mods if importlib.util.find_spec(m) is None]
     if missing:
-        raise ValueError(f"--backend {backend} needs {', '.join(missing)}: pip install 'onegraph[{extra}]' "
-                         f"(from a clone: pip install -e '.[{extra}]')")
+        raise ValueError(f"--backend {backend} needs {', '.join(missing)}: {install_hint(extra)}")
+
+
+def install_hint(extra: str) -> str:
+    return f"pip install 'onegraph[{extra}]' (from a clone: pip install -e '.[{extra}]')"
