@@ -1,12 +1,17 @@
-"""The `onegraph` command line: init-tiny, generate, export, bench, inspect, eval, draft-vocab, serve.
+"""The `onegraph` command line: init-tiny, generate, export, inspect, eval, draft-vocab, bench, bench-serve, serve.
 
-User errors (missing directory, bad ids, unknown model_type, bad artifact) print one line to
-stderr and exit 2 — never a traceback.
+User errors (missing directory, bad ids, unknown model_type, bad artifact, a missing extra, an unusable
+device or port) print one line to stderr and exit 2 — never a traceback — and are checked before any
+load, trace or compile. docs/cli.md holds every command's usage (tests/test_cli_help.py keeps it equal
+to this parser's).
 """
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -34,11 +39,13 @@ def load_tokenizer(model_dir: Path):
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    # the defaults are the README's command 1 (runtime/text.py says why): text on the first try, seeded
+    from onegraph.runtime.text import DEFAULT_SAMPLING as d
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=d["temperature"], help="0: greedy")
+    p.add_argument("--top-k", type=int, default=d["top_k"], help="0: all tokens")
+    p.add_argument("--top-p", type=float, default=d["top_p"])
+    p.add_argument("--seed", type=int, default=d["seed"])
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's eos ids")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     g = p.add_mutually_exclusive_group(required=True)
@@ -78,6 +85,10 @@ def check_sampling(args) -> None:
 
 def cmd_init_tiny(args) -> int:
     from onegraph.models.qwen3_5.tiny import write_tiny
+    d = Path(args.dir)
+    if d.exists() and (not d.is_dir() or any(d.iterdir())):
+        raise UserError(f"{d} exists and is not an empty directory: init-tiny writes a new one (remove it or "
+                        f"pick another DIR)")
     print(write_tiny(args.dir))
     return 0
 
@@ -113,6 +124,9 @@ def draft_vocab_size(n: int | None) -> int:
 
 
 def cmd_export(args) -> int:
+    from onegraph.runtime.checks import require_backend, usable_device
+    require_backend(args.backend)              # before the load and the trace: both take seconds to minutes
+    usable_device(args.device)
     from onegraph.export.pipeline import DEFAULT_CACHE_DIR, ExportOptions, export, summary_text
     opts = ExportOptions(device=args.device, dtype=args.dtype, backend=args.backend,
                          batch_sizes=parse_buckets(args.batch_sizes, "--batch-sizes"),
@@ -141,8 +155,14 @@ def cmd_export(args) -> int:
 def cmd_inspect(args) -> int:
     from onegraph.export.pipeline import inspect
     if is_artifact(args.artifact):
-        print(inspect(args.artifact))
-        print(memory_text(Path(args.artifact)))
+        from onegraph.runtime.artifact import verify
+        m = verify(args.artifact, files=not args.no_verify)     # ArtifactError names the damage: exit 2
+        print(inspect(args.artifact, m))
+        print(memory_text(Path(args.artifact), m))
+        if args.no_verify:
+            print("files: not verified (--no-verify)")
+        else:
+            print(f"files: {len(m['files'])} verified (sha256), as the load checks them")
         return 0
     if args.artifact != "tiny" and not (Path(args.artifact) / "config.json").is_file():
         raise UserError(f"{args.artifact} is neither an onegraph artifact (no manifest.json) nor a checkpoint "
@@ -155,12 +175,11 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def memory_text(path: Path) -> str:
+def memory_text(path: Path, m: dict) -> str:
     """inspect's memory lines: bytes per slot at the artifact's max_seq_len, and with this machine's free
     memory on the artifact's device the largest --max-slots that fits (runtime/memory.py)."""
     import torch
-    from onegraph.runtime import artifact, memory
-    m = artifact.manifest_unverified(path)
+    from onegraph.runtime import memory
     dev = torch.device(m["device"]["type"])
     need = memory.needed_bytes(path, m, 0, dev.type)
     lines = [f"memory: {need['state_per_slot']} bytes ({need['state_per_slot'] / memory.MIB:.2f} MiB) of state per "
@@ -180,6 +199,9 @@ def memory_text(path: Path) -> str:
 
 
 def cmd_eval(args) -> int:
+    if args.device is not None:
+        from onegraph.runtime.checks import usable_device
+        usable_device(args.device)
     from onegraph.commands.eval import evaluate
     res = evaluate(args.model, args.text, args.max_tokens, args.ctx, args.batch, args.dtype, args.device,
                    progress=True, quant=args.quant, fp8_lm_head=args.fp8_lm_head)
@@ -226,6 +248,9 @@ def cmd_generate(args) -> int:
         return generate_artifact(args)
     if args.speculation is not None:
         raise UserError("--speculation / --no-speculation apply to an artifact (export it with --speculative-tokens K)")
+    if args.device not in (None, "cpu"):
+        raise UserError(f"--device {args.device}: --eager runs on the CPU; export the model for {args.device} and "
+                        f"generate from the artifact")
     import torch
     from onegraph.custom_ops.sample import Sampling
     from onegraph.graphs.eager import generate_eager
@@ -262,6 +287,9 @@ def generate_artifact(args) -> int:
     if not is_artifact(args.model):
         raise UserError(f"{args.model} is not an exported artifact (no manifest.json); export it first with "
                         f"`onegraph export {args.model} --out DIR`, or pass --eager")
+    if args.device is not None:                # before the load hashes every file
+        from onegraph.runtime.checks import usable_device
+        usable_device(args.device)
     art, code = lead_or_follow(args, args.model, max_slots=1)
     if code is not None:
         return code
@@ -289,7 +317,9 @@ def cmd_serve(args) -> int:
     import contextlib
     import signal
     import uvicorn
-    from onegraph.runtime import Engine
+    from onegraph.runtime import Engine, ranks
+    from onegraph.runtime.checks import usable_device
+    from onegraph.server import limits
     from onegraph.server.app import create_app
     if not is_artifact(args.artifact):
         raise UserError(f"{args.artifact} is not an exported artifact (no manifest.json)")
@@ -297,14 +327,28 @@ def cmd_serve(args) -> int:
         raise UserError("need --max-slots >= 1 and --max-queue >= 0")
     if args.prefill_budget is not None and args.prefill_budget < 1:
         raise UserError(f"--prefill-budget must be >= 1 tokens, got {args.prefill_budget}")
-    art, code = lead_or_follow(args, args.artifact, args.max_slots)   # tensor parallel: rank 0 serves
-    if code is not None:
+    limits.check_max_request_bytes(args.max_request_bytes)
+    if args.device is not None:
+        usable_device(args.device)
+    # bind before the load (at 35B the load takes minutes): a bad or busy port costs nothing. Under
+    # torchrun only rank 0 serves; the process group is not joined yet, so torchrun's RANK says which.
+    sock = None
+    if not ranks.launched_by_torchrun() or os.environ.get("RANK") == "0":
+        sock = limits.bind(args.host, args.port)
+    try:
+        art, code = lead_or_follow(args, args.artifact, args.max_slots)   # tensor parallel: rank 0 serves
+        if code is None:
+            engine = Engine.from_artifact(art, max_slots=args.max_slots, max_queue=args.max_queue,
+                                          cuda_graphs=args.cuda_graphs, speculation=args.speculation,
+                                          prefill_budget=args.prefill_budget)
+    except BaseException:              # a refused load: the port is free again at once
+        if sock is not None:
+            sock.close()
+        raise
+    if code is not None:               # a tensor-parallel follower, done
         return code
-    engine = Engine.from_artifact(art, max_slots=args.max_slots, max_queue=args.max_queue,
-                                  cuda_graphs=args.cuda_graphs, speculation=args.speculation,
-                                  prefill_budget=args.prefill_budget)
     name = args.served_model_name or Path(args.artifact).resolve().name
-    app = create_app(engine, name, api_key=args.api_key)
+    app = create_app(engine, name, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
     srv = app.state.server
 
     class Server(uvicorn.Server):
@@ -335,19 +379,79 @@ def cmd_serve(args) -> int:
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                    timeout_graceful_shutdown=10))
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
+        sock.close()
         engine.close()                 # also releases tensor-parallel followers
-        from onegraph.runtime import ranks
         ranks.leave()
     return 0
 
 
+# one example per subcommand: in its --help, and all of them in `onegraph --help`
+EXAMPLES = {
+    "init-tiny": "onegraph init-tiny checkpoints/tiny",
+    "generate": 'onegraph generate artifacts/tiny --prompt "def fibonacci(n):" --max-new-tokens 32',
+    "export": "onegraph export tiny --out artifacts/tiny --batch-sizes 1 --prefill-chunks 16",
+    "bench": "onegraph bench --preset tiny --batch-sizes 1,4 --out bench.json",
+    "bench-serve": "onegraph bench-serve --base-url http://127.0.0.1:8000 --num-requests 32 --concurrency 8 "
+                   "--input-len 128 --output-len 64 --out serve.json",
+    "inspect": "onegraph inspect artifacts/tiny",
+    "eval": "onegraph eval artifacts/tiny --json",
+    "draft-vocab": "onegraph draft-vocab tiny corpus.txt --out draft_vocab.json",
+    "serve": "onegraph serve artifacts/tiny --port 8000",
+}
+REFERENCE_WIDTH = 110          # docs/cli.md's usage lines: fixed, whatever the terminal
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Shows every option's default, also for options without help text (argparse's
+    ArgumentDefaultsHelpFormatter skips those), and keeps the examples' line breaks."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if ("%(default)" in h or not action.option_strings or action.nargs == 0     # a flag: its name says it
+                or action.default in (None, argparse.SUPPRESS)):
+            return h
+        return f"{h} (default: %(default)s)".strip()
+
+    def _format_action(self, action):
+        if action.help is None and self._get_help_string(action):
+            action = copy.copy(action)
+            action.help = self._get_help_string(action)
+        return super()._format_action(action)
+
+
+def version_text() -> str:
+    from importlib.metadata import version
+
+    from onegraph import __version__
+    return f"onegraph {__version__} (torch {version('torch')})"
+
+
+def reference(parser: argparse.ArgumentParser) -> str:
+    """Every subcommand's usage, as docs/cli.md shows it (tests/test_cli_help.py compares the two)."""
+    out = []
+    for p in parser.subcommands.values():
+        p.formatter_class = functools.partial(HelpFormatter, width=REFERENCE_WIDTH)
+        out.append(p.format_usage().removeprefix("usage: ").rstrip())
+    return "\n".join(out)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="onegraph", description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap = argparse.ArgumentParser(prog="onegraph", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter,
+                                 epilog="examples:\n" + "\n".join(f"  {e}" for e in EXAMPLES.values())
+                                 + "\n\nevery command's options: onegraph COMMAND --help, or docs/cli.md")
+    ap.add_argument("--version", action="version", version=version_text())
+    sub = ap.add_subparsers(dest="cmd", metavar="COMMAND")
+    add = sub.add_parser
+
+    def add_parser(name, help):
+        return add(name, help=help, description=help, formatter_class=HelpFormatter,
+                   epilog=f"example:\n  {EXAMPLES[name]}")
+    sub.add_parser = add_parser
+    ap.subcommands = sub.choices
     p = sub.add_parser("init-tiny", help="write the builtin tiny model as an HF checkpoint dir")
-    p.add_argument("dir")
+    p.add_argument("dir", help="a new (or empty) directory")
     p.set_defaults(fn=cmd_init_tiny)
     p = sub.add_parser("generate", help="generate from a model dir / `tiny` (--eager) or an artifact")
     p.add_argument("model", help="HF-format directory, `tiny`, or an exported artifact directory")
@@ -429,6 +533,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="print an artifact's manifest summary and per-graph op counts, or a "
                        "checkpoint directory's config, tensor census and whether it loads")
     p.add_argument("artifact", help="an exported artifact, a HF-format checkpoint directory, or `tiny`")
+    p.add_argument("--no-verify", action="store_true", help="an artifact: skip the sha256 of every file (the "
+                   "manifest's format and self-hash are still checked)")
     p.set_defaults(fn=cmd_inspect)
 
     p = sub.add_parser("eval", help="bits per byte and perplexity of a model or an artifact on a text (teacher-forced)")
@@ -455,6 +561,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: artifact dir name)")
     p.add_argument("--device", default=None, help="artifact device (default: the one it was exported for)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    from onegraph.server.limits import DEFAULT_MAX_REQUEST_BYTES
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="a larger request body is answered 413 before it is parsed")
     add_runtime_args(p)
     p.set_defaults(fn=cmd_serve)
     return ap
@@ -477,13 +586,24 @@ def quiet_known_warnings() -> None:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.cmd is None:                       # a bare `onegraph`: what it can do, not a usage error
+        parser.print_help()
+        return 0
     quiet_known_warnings()
     try:
-        return args.fn(args)
+        code = args.fn(args)
+        sys.stdout.flush()                     # here, where a closed pipe is caught, not at interpreter exit
+        return code
     except (UserError, FileNotFoundError, ValueError, NotImplementedError) as e:
         print(f"onegraph {args.cmd}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:                    # `onegraph inspect ART | head`: the reader has what it wanted
+        # stdout's buffer still holds what the reader will never take: point it at devnull so the flush at
+        # exit does not raise again; 141 = 128 + SIGPIPE, what a shell tool dying of SIGPIPE reports
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

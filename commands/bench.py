@@ -110,6 +110,11 @@ def _tp_init(args) -> tuple[int, int]:
         if (m["dtype"], m["device"]["type"]) != (args.dtype, torch.device(args.device).type):
             raise BenchError(f"artifact {args.artifact} is {m['dtype']} on {m['device']['type']}: pass --dtype "
                              f"{m['dtype']} --device {m['device']['type']}")
+        buckets = sorted(g["bucket"] for g in m["graphs"].values() if g["kind"] == "decode")
+        if max(args.batch_sizes) > buckets[-1]:        # refused before the eager model loads
+            raise BenchError(f"--batch-sizes {','.join(map(str, args.batch_sizes))} exceeds artifact "
+                             f"{args.artifact}'s largest decode bucket {buckets[-1]}: pass --batch-sizes "
+                             f"{','.join(map(str, buckets))} (or a subset)")
     if not ranks.launched_by_torchrun():
         return 0, 1
     if m is None:

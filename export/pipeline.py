@@ -21,7 +21,6 @@ The slot dimension of the state is dynamic, so the runtime chooses how many slot
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import time
 from pathlib import Path
@@ -440,8 +439,11 @@ def summary_text(s: dict) -> str:
     return "\n".join(lines)
 
 
-def inspect(path: str | Path) -> str:
-    m = manifest_unverified(path)
+def inspect(path: str | Path, manifest: dict | None = None) -> str:
+    """An artifact's summary: `manifest` as runtime.artifact.verify returned it (default: read there with
+    its format and self-hash checked, the files not hashed)."""
+    from onegraph.runtime.artifact import verify
+    m = manifest if manifest is not None else verify(path, files=False)
     lines = [f"{m['format']} v{m['format_version']}  backend={m['backend']}  dtype={m['dtype']}  "
              f"device={m['device']}  max_seq_len={m['max_seq_len']}",
              f"model: {m['model']['model_type']} layers={len(m['model']['layer_types'])} "

@@ -110,8 +110,8 @@ def write_manifest(out: Path, manifest: dict) -> None:
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
 
 
-def _verified(root: Path) -> dict:
-    """manifest.json of `root`, after checking its format, its self-hash and every file's sha256."""
+def _verified(root: Path, files: bool = True) -> dict:
+    """manifest.json of `root`, after checking its format, its self-hash and (files) every file's sha256."""
     mpath = root / MANIFEST
     if not mpath.is_file():
         raise ArtifactError(f"{root} is not an onegraph artifact (no {MANIFEST})")
@@ -119,17 +119,32 @@ def _verified(root: Path) -> dict:
         m = json.loads(mpath.read_text())
     except json.JSONDecodeError as e:
         raise ArtifactError(f"{mpath}: manifest is not valid JSON ({e})") from None
+    if not isinstance(m, dict):
+        raise ArtifactError(f"{mpath}: manifest is a JSON {type(m).__name__}, not an object")
     if m.get("format") != FORMAT or m.get("format_version") != FORMAT_VERSION:
         raise ArtifactError(f"{mpath}: format {m.get('format')!r} v{m.get('format_version')!r}, this onegraph "
                             f"reads {FORMAT!r} v{FORMAT_VERSION}")
     if m.get("manifest_sha256") != _self_hash(m):
         raise ArtifactError(f"{mpath}: manifest hash mismatch (the manifest was modified after export)")
-    for rel, digest in m["files"].items():
+    for rel, digest in (m["files"] if files else {}).items():
         f = root / rel
         if not f.is_file():
             raise ArtifactError(f"artifact file {rel} is missing")
         if sha256_file(f) != digest:
             raise ArtifactError(f"artifact file {rel}: sha256 mismatch (corrupted or modified)")
+    return m
+
+
+def verify(path: str | Path, files: bool = True) -> dict:
+    """manifest.json of the artifact at `path`, checked as Artifact.load checks it but for any machine (no
+    device, torch or op-version check, no graph run): its format and self-hash, and with `files` every
+    file's sha256 and a referenced checkpoint's files (sizes, then sha256). ArtifactError names the damage.
+    `onegraph inspect` reads its manifest here (files=False: --no-verify)."""
+    root = Path(path)
+    m = _verified(root, files)
+    if files and m.get("weights_reference") is not None:
+        from .weight_refs import verify_files
+        verify_files(m["weights_reference"])
     return m
 
 

@@ -15,7 +15,8 @@ dirtied is reset branch-free by the next prefill at position 0. Length limits ar
 host and never overrun.
 
 Callers: `generate()` (blocking), `stream()` (async iterator, many concurrent tasks), `cancel()`,
-`stats()`. Bad input raises ValueError in the caller; it never reaches the engine thread.
+`stats()`, all on token ids; text in and out: `generate_text()`, `stream_text()` and `tokenizer`
+(runtime/text.py). Bad input raises ValueError in the caller; it never reaches the engine thread.
 
 Speculative decoding (an artifact exported with --speculative-tokens K; graphs/spec_graphs.py): one mode
 per engine, on by default where the artifact has the graphs (`speculation=False` turns it off, True
@@ -42,6 +43,7 @@ import torch
 
 from onegraph.custom_ops.sample import check_sampling
 
+from . import text
 from .artifact import Artifact
 from .executor import GraphExecutor, Sampling  # noqa: F401  (Sampling re-exported)
 
@@ -54,12 +56,14 @@ class QueueFull(RuntimeError):
 
 @dataclasses.dataclass
 class Event:
+    """One step of a request's output: a token id, or (the last event) token_id None and a finish_reason."""
     token_id: int | None
     finish_reason: str | None = None     # None until the last event: stop | length | cancelled | error
 
 
 @dataclasses.dataclass
 class Result:
+    """generate()'s answer: the generated ids (prompt excluded), why it stopped, timings (README: JSON output)."""
     token_ids: list[int]
     finish_reason: str
     timings: dict
@@ -88,6 +92,13 @@ class Request:
 
 
 class Engine:
+    """The replay loop over one artifact's graphs, in its own thread; thread-safe for callers.
+
+        engine = Engine.from_artifact("artifacts/tiny")
+        engine.generate_text("def fibonacci(n):")        # or generate(ids) for token ids
+        engine.close()
+    """
+
     def __init__(self, executor: GraphExecutor, max_queue: int = 64, speculation: bool | None = None,
                  prefill_budget: int | None = None):
         """speculation: None uses the artifact's speculative graphs where it has them, False decodes one token
@@ -156,7 +167,25 @@ class Engine:
         return self.ex.fixture_report
 
     # ---------------- caller side ----------------
+    @property
+    def tokenizer(self):
+        """The artifact's tokenizer (server/text.py TextCodec: encode(str) -> ids, decode(ids) -> str)."""
+        return text.tokenizer(self)
+
+    def generate_text(self, prompt: str, max_new_tokens: int = 32, **sampling) -> str:
+        """The continuation of `prompt` as a string. sampling: temperature, top_k, top_p, seed, stop_ids
+        (default runtime/text.py DEFAULT_SAMPLING and the model's eos ids; temperature=0 is greedy)."""
+        return text.generate_text(self, prompt, max_new_tokens, **sampling)
+
+    def stream_text(self, prompt: str, max_new_tokens: int = 32, **sampling):
+        """Iterator of text deltas of the continuation of `prompt` (blocking; closing it cancels the request).
+        Arguments as generate_text()."""
+        return text.stream_text(self, prompt, max_new_tokens, **sampling)
+
     def _validate(self, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed=None) -> list[int]:
+        if isinstance(prompt_ids, (str, bytes)):
+            raise ValueError("prompt_ids are token ids; for text use engine.generate_text(prompt) / "
+                             "stream_text(prompt), or engine.tokenizer.encode(prompt)")
         ids = [int(i) for i in prompt_ids]
         if not ids:
             raise ValueError("prompt is empty: at least one token id is needed")
@@ -173,6 +202,9 @@ class Engine:
 
     def submit(self, prompt_ids, emit, max_new_tokens=16, temperature=0.0, top_k=0, top_p=1.0, seed=None,
                stop_ids=()) -> int:
+        """Queue a request -> its id. `emit(Event)` is called on the engine thread for every token and once at
+        the end. temperature 0 is greedy; top_k 0 keeps every token; seed None draws one; stop_ids end the
+        request (the stop id is emitted). ValueError (bad input) or QueueFull raise here."""
         return self._submit(prompt_ids, emit, max_new_tokens, temperature, top_k, top_p, seed, stop_ids).id
 
     def _submit(self, prompt_ids, emit, max_new_tokens, temperature, top_k, top_p, seed, stop_ids) -> Request:
@@ -194,6 +226,7 @@ class Engine:
 
     def generate(self, prompt_ids, max_new_tokens=16, temperature=0.0, top_k=0, top_p=1.0, seed=None,
                  stop_ids=(), timeout: float | None = None) -> Result:
+        """Run one request on token ids to its end (blocking) -> Result. Arguments as submit(); text: generate_text()."""
         out, done, fin = [], threading.Event(), []
 
         def emit(ev: Event):
@@ -245,6 +278,7 @@ class Engine:
             self.cancel(rid)          # a consumer that stops early frees its slot
 
     def cancel(self, request_id: int) -> bool:
+        """Stop a request (its slot frees at the next step; its last event says cancelled) -> whether it was running."""
         with self.cv:
             for r in list(self.waiting) + list(self.active.values()):
                 if r.id == request_id and not r.done:
@@ -254,6 +288,7 @@ class Engine:
         return False
 
     def stats(self) -> dict:
+        """Slots, queue, counters, per-step µs and the speculation figures (the server's /metrics reads them)."""
         with self.cv:
             steps = max(1, self.counters["decode_steps"])
             return {"path": self.ex.path, "active_slots": len(self.active), "free_slots": len(self.free), "queue_depth": len(self.waiting),
@@ -272,6 +307,7 @@ class Engine:
                 "acceptance_rate": acc / max(1, rounds * self.spec), "mean_accepted_length": 1 + acc / max(1, rounds)}
 
     def close(self):
+        """Stop the engine thread (requests in flight end) and release tensor-parallel followers."""
         with self.cv:
             self.closed = True
             self.cv.notify()

@@ -35,8 +35,9 @@ def _ort():
         import onnx  # noqa: F401
         import onnxruntime
     except ImportError as e:
+        from .checks import install_hint
         raise ArtifactError(f"this artifact uses the onnx backend, but {e.name} cannot be imported: "
-                            f"install onnx and onnxruntime") from None
+                            f"{install_hint('onnx')}") from None
     return onnxruntime
 
 

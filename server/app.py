@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP API over one runtime Engine: the server, its middleware and its routes.
 
-`create_app(engine, served_model_name, api_key=None)` -> FastAPI app with
+`create_app(engine, served_model_name, api_key=None, max_request_bytes=...)` -> FastAPI app with
   GET  /v1/models, POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /health,
   GET  /metrics (Prometheus).
 
@@ -9,9 +9,12 @@ request, called on the engine thread and bounced into the event loop), `cancel` 
 Request shapes and field checks: schema.py; one choice's text pipeline and response body: choices.py.
 
 Errors are OpenAI-shaped (schema.ApiError): 400 for anything the client sent wrong (bad JSON, types,
-ranges, unknown model, too long, and whatever the engine's `submit` refuses, with its message), 401 for
+ranges, too long, an unsupported field such as a response_format other than text, and whatever the
+engine's `submit` refuses, with its message), 404 `model_not_found` for a model this server does not
+serve (as OpenAI and vLLM answer), 413 for a body over the limit (limits.py, before any parsing), 401 for
 the API key, 503 with Retry-After for a full queue or a draining server, 500 for a bug in one request
-(the engine and the server keep running). A client that goes away has its requests cancelled: their
+(the engine and the server keep running). Prompts are tokenized (and chat templates rendered) in a worker
+thread, so a large prompt never stalls the event loop (/health, other streams). A client that goes away has its requests cancelled: their
 slots are freed at the engine's next step.
 """
 from __future__ import annotations
@@ -33,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from onegraph.runtime import QueueFull
 
 from .choices import Choice, Job, full_body
+from .limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .parsers import tool_schemas
 from .schema import (ApiError, ChatRequest, CompletionRequest, SamplingRequest, internal_error, not_supported,
@@ -83,7 +87,7 @@ class _Server:
         except ValidationError as e:
             raise validation_error(e) from None
         if req.model != self.name:
-            raise ApiError(400, f"model '{req.model}' does not exist; this server serves '{self.name}'",
+            raise ApiError(404, f"model '{req.model}' does not exist; this server serves '{self.name}'",
                            param="model", code="model_not_found")
         req.check_unsupported()
         return req
@@ -325,13 +329,15 @@ class _GuardedRoute(APIRoute):
         return guarded
 
 
-def create_app(engine, served_model_name: str, api_key: str | None = None, codec: TextCodec | None = None) -> FastAPI:
+def create_app(engine, served_model_name: str, api_key: str | None = None, codec: TextCodec | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     codec = codec or TextCodec.from_artifact(engine.artifact.path)
     srv = _Server(engine, served_model_name, api_key, codec)
     app = FastAPI(title="onegraph", docs_url=None, redoc_url=None, openapi_url=None)
     app.router.route_class = _GuardedRoute             # before the routes below are added
     app.state.server = srv
-    app.add_middleware(_MetricsMiddleware, srv=srv)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    app.add_middleware(_MetricsMiddleware, srv=srv)          # added last: outermost, so it counts the 413s
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, exc):
@@ -370,7 +376,8 @@ def create_app(engine, served_model_name: str, api_key: str | None = None, codec
             raise not_supported("suffix")
         if req.best_of not in (None, req.n):
             raise not_supported("best_of", "best_of other than n")
-        job = srv.job(req, "completion", _completion_prompt(srv, req), req.max_tokens)
+        ids = await asyncio.to_thread(_completion_prompt, srv, req)
+        job = srv.job(req, "completion", ids, req.max_tokens)
         return await srv.run(request, job)
 
     @app.post("/v1/chat/completions")
@@ -381,7 +388,7 @@ def create_app(engine, served_model_name: str, api_key: str | None = None, codec
         if req.tool_choice not in (None, "none", "auto"):
             raise not_supported("tool_choice", "tool_choice 'required' or a named function (no "
                                                "constrained decoding)")
-        ids, in_think = _chat_prompt(srv, req)
+        ids, in_think = await asyncio.to_thread(_chat_prompt, srv, req)
         job = srv.job(req, "chat", ids, req.max_completion_tokens or req.max_tokens)
         job.in_think = in_think
         if req.tools and req.tool_choice != "none":

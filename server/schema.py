@@ -152,3 +152,11 @@ class ChatRequest(SamplingRequest):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extension (e.g. enable_thinking)
     add_generation_prompt: bool = True
+    response_format: dict[str, Any] | None = None       # only {"type": "text"}: no structured output yet
+
+    def check_unsupported(self):
+        super().check_unsupported()
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            kind = self.response_format.get("type")
+            raise not_supported("response_format", f"response_format {kind!r} (only {{'type': 'text'}}: this "
+                                                   f"server has no structured output)")

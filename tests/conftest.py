@@ -38,6 +38,15 @@ def tiny_artifact(tmp_path_factory, aoti_cache):
     return out
 
 
+@pytest.fixture()
+def artifact_copy(tiny_artifact, tmp_path):
+    """A copy of tiny_artifact that a test may damage."""
+    import shutil
+    dst = tmp_path / "copy"
+    shutil.copytree(tiny_artifact, dst)
+    return dst
+
+
 @pytest.fixture(scope="session")
 def tiny_bf16_artifact(tmp_path_factory):
     """bf16 `tiny` with fp32_reduce at TP-1 (decode bucket 1, prefill chunk 16, 128 tokens): the bf16 artifact

@@ -50,12 +50,14 @@ def dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(dirs):
-    gen = ["generate", "tiny", "--eager", "--json"]
+    gen = ["generate", "tiny", "--eager", "--json", "--temperature", 0]          # greedy: compared with eager
     jobs = {
-        "ids": ["generate", "tiny", "--eager", "--prompt-ids", "1,2,3", "--max-new-tokens", 8, "--json"],
+        "ids": ["generate", "tiny", "--eager", "--prompt-ids", "1,2,3", "--max-new-tokens", 8, "--json",
+                "--temperature", 0],
         "prompt": [*gen, "--prompt", "Hi", "--max-new-tokens", 6],
+        "defaults": ["generate", "tiny", "--eager", "--prompt-ids", "9,8,7", "--max-new-tokens", 12, "--json"],
         "sampled": [*gen, "--prompt-ids", "9,8,7", "--max-new-tokens", 12,
-                    "--temperature", "0.9", "--seed", 5, "--ignore-eos"],
+                    "--temperature", "0.9", "--top-k", 0, "--seed", 5, "--ignore-eos"],
         "err_missing_dir": ["generate", dirs["root"] / "does-not-exist", "--eager", "--prompt-ids", "1,2"],
         "err_bad_ids": ["generate", "tiny", "--eager", "--prompt-ids", "1,x"],
         "err_oov": ["generate", "tiny", "--eager", "--prompt-ids", f"1,{TINY_HF_CONFIG['vocab_size']}"],
@@ -69,7 +71,7 @@ def runs(dirs):
     def init_then_generate():
         init = onegraph("init-tiny", dirs["init"])
         return init, onegraph("generate", dirs["init"], "--eager", "--prompt-ids", "1,2,3",
-                              "--max-new-tokens", 8, "--json")
+                              "--max-new-tokens", 8, "--json", "--temperature", 0)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         chained = pool.submit(init_then_generate)
@@ -107,6 +109,16 @@ def test_generate_sampled_matches_in_process(runs, tiny_model):
     ref = generate_eager(model, [9, 8, 7], 12, Sampling(temperature=0.9, seed=5))
     assert res["token_ids"] == ref.token_ids
     assert res["token_ids"] != generate_eager(model, [9, 8, 7], 12).token_ids   # really sampled
+
+
+def test_generate_defaults_sample_as_readme_command_1(runs, tiny_model):
+    """No sampling flags: temperature 0.7, top-k 40, seed 0 (runtime/text.py DEFAULT_SAMPLING says why)."""
+    cfg, model, _ = tiny_model
+    res = last_json(runs["defaults"])
+    want = generate_eager(model, [9, 8, 7], 12, Sampling(temperature=0.7, top_k=40, seed=0),
+                          stop_ids=cfg.eos_token_ids).token_ids
+    assert res["token_ids"] == want
+    assert want != generate_eager(model, [9, 8, 7], 12, stop_ids=cfg.eos_token_ids).token_ids   # not greedy
 
 
 def test_generate_text_prompt(runs, tiny_model):

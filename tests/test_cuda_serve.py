@@ -287,7 +287,10 @@ def test_400s(servers):
     openai_error(httpx.post(url + "/v1/chat/completions", content="{not json"), 400)
     assert openai_error(httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "logprobs": 3}),
                         400)["param"] == "logprobs"
-    for kw, param in [(dict(model="nope"), "model"), (dict(temperature=9), "temperature"),
+    with pytest.raises(openai.NotFoundError) as e:                 # OpenAI's and vLLM's answer
+        cl.chat.completions.create(model="nope", messages=msgs)
+    assert e.value.status_code == 404 and e.value.code == "model_not_found", e.value.body
+    for kw, param in [(dict(temperature=9), "temperature"),
                       (dict(max_tokens=MAX_SEQ_LEN), "max_tokens")]:
         with pytest.raises(openai.BadRequestError) as e:
             cl.chat.completions.create(**{"model": MODEL, "messages": msgs, **kw})

@@ -279,7 +279,7 @@ def cli_runs(ckpts):
     def onegraph(*args):
         return subprocess.run([sys.executable, "-m", "onegraph", *map(str, args)], capture_output=True, text=True,
                               timeout=120, env=ENV)
-    gen = ["--eager", "--prompt-ids", "1,2,3", "--max-new-tokens", 4, "--json"]
+    gen = ["--eager", "--prompt-ids", "1,2,3", "--max-new-tokens", 4, "--json", "--temperature", 0]
     jobs = {"awq": ["generate", ckpts["awq"], *gen],
             "stray": ["generate", ckpts["stray"], *gen],
             "stray_allowed": ["generate", ckpts["stray"], *gen, "--allow-unused-weights"],

@@ -49,7 +49,7 @@ def test_largest_fitting_slot_count_is_the_boundary(art):
 def test_serve_refuses_slots_beyond_this_machines_memory(tiny_artifact, capsys):
     """No free_memory override: the real free RAM; 10^9 slots of ~0.3 MiB cannot fit anywhere."""
     from onegraph.cli import main
-    assert main(["serve", str(tiny_artifact), "--max-slots", str(10**9)]) == 2
+    assert main(["serve", str(tiny_artifact), "--max-slots", str(10**9), "--port", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--max-slots 1000000000" in err and "is free" in err, err
 

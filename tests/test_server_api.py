@@ -165,7 +165,8 @@ def test_max_tokens_truncation_and_default(client, codec):
     ("{not json", None),
     ("[1, 2]", None),
     ('{"model": "tiny-test"}', "messages"),
-    ('{"model": "nope", "messages": [{"role": "user", "content": "hi"}]}', "model"),
+    ('{"model": "tiny-test", "messages": [{"role": "user", "content": "hi"}], "response_format": '
+     '{"type": "json_object"}}', "response_format"),
     ('{"model": "tiny-test", "messages": [{"role": "user", "content": "hi"}], "temperature": 9}', "temperature"),
     ('{"model": "tiny-test", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}', "temperature"),
     ('{"model": "tiny-test", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', "max_tokens"),
@@ -415,3 +416,57 @@ def test_serve_cli_sigterm_cancels_and_exits_0(tiny_artifact):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ---------------------------------------------------------------- input bounds (server/limits.py)
+def test_unknown_model_is_404_model_not_found(base, client):
+    e = err(httpx.post(base + "/v1/chat/completions", json={"model": "nope", "messages": MSGS}), 404)
+    assert e["code"] == "model_not_found" and e["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi", max_tokens=1)
+
+
+def test_response_format_other_than_text_is_refused(base):
+    body = {"model": MODEL, "messages": MSGS, "max_tokens": 2, "temperature": 0}
+    e = err(httpx.post(base + "/v1/chat/completions", json={**body, "response_format": {"type": "json_schema"}}), 400)
+    assert e["param"] == "response_format" and "json_schema" in e["message"]
+    r = httpx.post(base + "/v1/chat/completions", json={**body, "response_format": {"type": "text"}}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_body_over_the_limit_is_413_before_parsing(engine, base):
+    big = b'{"model": "' + b"x" * (5 * 1024 * 1024) + b'"}'       # 5 MB: over the 4 MiB default
+    t0 = time.perf_counter()
+    e = err(httpx.post(base + "/v1/completions", content=big, timeout=30), 413)
+    assert e["code"] == "request_too_large" and time.perf_counter() - t0 < 2
+    with running(create_app(engine, MODEL, max_request_bytes=200)) as url:
+        ok = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+        assert httpx.post(url + "/v1/completions", json=ok, timeout=60).status_code == 200
+        chunks = iter([json.dumps({**ok, "prompt": "y" * 150}).encode()[:120], b" " * 100])
+        assert err(httpx.post(url + "/v1/completions", content=chunks), 413)["code"] == "request_too_large"
+
+
+def test_tokenizing_a_large_prompt_leaves_health_responsive(engine, codec):
+    """A large prompt's tokenizing runs in a worker thread: here it is held until /health has answered,
+    which it could not do if the tokenizing held the event loop."""
+    gate = threading.Event()
+
+    class Gated:
+        def __getattr__(self, name):
+            return getattr(codec, name)
+
+        def encode(self, text):
+            if len(text) > 10_000:
+                assert gate.wait(20), "/health never answered while the prompt was tokenized"
+            return codec.encode(text)
+
+    with running(create_app(engine, MODEL, codec=Gated())) as url:
+        done = []
+        th = threading.Thread(target=lambda: done.append(httpx.post(
+            url + "/v1/completions", json={"model": MODEL, "prompt": "ab " * 100_000}, timeout=60)))
+        th.start()
+        time.sleep(0.2)                                              # the big request is in encode, held
+        assert httpx.get(url + "/health", timeout=5).json()["status"] == "ok"
+        gate.set()
+        th.join(60)
+        assert done and done[0].status_code == 400                   # beyond max_seq_len, after tokenizing

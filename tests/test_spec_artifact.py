@@ -250,7 +250,8 @@ def test_refusals(tmp_path, tiny_artifact):
 
 def test_cli_generate_json(spec_artifact, capsys, one_thread):
     from onegraph.cli import main
-    args = ["generate", str(spec_artifact), "--prompt", "def main(argv):", "--max-new-tokens", "24", "--json"]
+    args = ["generate", str(spec_artifact), "--prompt", "def main(argv):", "--max-new-tokens", "24", "--json",
+            "--temperature", "0"]
     assert main(args) == 0
     on = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert main(args + ["--no-speculation"]) == 0

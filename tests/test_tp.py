@@ -370,7 +370,7 @@ def test_tp2_two_nodes_one_rank_each(tiny, tp2_artifact):
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
                                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
                                "-m", "onegraph", "generate", str(tp2_artifact), "--prompt-ids", ",".join(map(str, PROMPT)),
-                               "--max-new-tokens", "16", "--ignore-eos", "--json"],
+                               "--max-new-tokens", "16", "--ignore-eos", "--json", "--temperature", "0"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in range(2)]
     try:
         outs = [p.communicate(timeout=240) for p in procs]

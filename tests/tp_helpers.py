@@ -52,7 +52,7 @@ def first_diff(a, b):
 def tp_generate(art, prompt: list[int], n: int, *extra, nproc: int = 2, timeout: int = 300) -> dict:
     """`torchrun generate ART --json` -> its JSON line (token_ids, fixture report); asserts exit 0."""
     r = subprocess.run(torchrun("generate", art, "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", n,
-                                "--ignore-eos", "--json", *extra, nproc=nproc),
+                                "--ignore-eos", "--json", "--temperature", 0, *extra, nproc=nproc),
                        capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
