@@ -179,7 +179,7 @@ def memory_text(path: Path, m: dict) -> str:
     """inspect's memory lines: bytes per slot at the artifact's max_seq_len, and with this machine's free
     memory on the artifact's device the largest --max-slots that fits (runtime/memory.py)."""
     import torch
-    from onegraph.runtime import memory
+    from onegraph.runtime import artifact, memory
     dev = torch.device(m["device"]["type"])
     need = memory.needed_bytes(path, m, 0, dev.type)
     lines = [f"memory: {need['state_per_slot']} bytes ({need['state_per_slot'] / memory.MIB:.2f} MiB) of state per "
