@@ -1,0 +1,154 @@
+"""The prefix cache (runtime/prefix_cache.py) on the trained tiny artifact: every request with the cache on
+equals the same request on an engine without it (greedy and seeded), `cached_tokens` is the whole blocks a
+cached prefix supplies, a tiny budget evicts and changes no output, a prefix ending mid-block reuses whole
+blocks only, and a hit's logits equal a miss's bit for bit. Blocks are the artifact's prefill chunk: 16."""
+import threading
+
+import pytest
+import torch
+
+from onegraph.runtime import Engine
+from onegraph.runtime.executor import GraphExecutor
+from onegraph.runtime.prefix_cache import PrefixCache, block_bytes, for_executor, state_kind, unsupported
+
+C = 16                                       # conftest TINY_EXPORT's prefill chunk
+SEEDED = dict(temperature=0.9, top_p=0.95)   # each request with seed=its index
+
+
+def ids(n, seed, vocab=256):
+    return torch.randint(1, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_artifact, one_thread):
+    """(off, on): 4 slots each, the same artifact; `on` with a cache that never evicts here (32 MiB)."""
+    off = Engine.from_artifact(tiny_artifact, max_slots=4, max_queue=64, check_parity=False)
+    on = Engine.from_artifact(tiny_artifact, max_slots=4, max_queue=64, check_parity=False,
+                              prefix_cache_bytes=32 << 20)
+    yield off, on
+    off.close()
+    on.close()
+
+
+def run_all(engine, jobs):
+    """Submit every (prompt, n, sampling kwargs) at once -> [(token ids, finish reason, cached_tokens)]."""
+    out = [([], [], [0]) for _ in jobs]
+    done = [threading.Event() for _ in jobs]
+
+    def emit(i):
+        def f(ev):
+            if ev.token_id is not None:
+                out[i][0].append(ev.token_id)
+            if ev.finish_reason is not None:
+                out[i][1].append(ev.finish_reason)
+                out[i][2][0] = ev.cached_tokens
+                done[i].set()
+        return f
+    for i, (prompt, n, sp) in enumerate(jobs):
+        engine.submit(prompt, emit(i), n, **sp)
+    for d in done:
+        assert d.wait(120)
+    return [(t, f[0], c[0]) for t, f, c in out]
+
+
+def test_state_kinds_and_refusals(tiny_artifact):
+    from onegraph.runtime.artifact import Artifact
+    art = Artifact.load(tiny_artifact)
+    kinds = [state_kind(t) for t in art.state]
+    assert kinds.count("kv") == 2 and kinds.count("conv") == 3 and kinds.count("recurrent") == 3   # 1 attn, 3 GDN
+    assert state_kind({"name": "layer0.rec", "kind": "kv"}) == "kv"          # a typed kind wins over the name
+    assert state_kind({"name": "mtp0.k_cache"}) == "spec" and state_kind({"name": "spec.pos"}) == "spec"
+    with pytest.raises(ValueError, match="unknown kind"):
+        state_kind({"name": "layer0.mystery"})
+    assert unsupported(art.state, 1) is None
+    assert "tp=1" in unsupported(art.state, 2)
+    assert "MTP" in unsupported(art.state + [{"name": "spec.y", "shape": ["S", 8], "dtype": "float32"}], 1)
+    # one block: 16 KV rows of the attention layer's k and v + the GDN layers' whole slot rows
+    per_slot = sum(torch.zeros(t["shape"][1:]).numel() * (4 if t["dtype"] == "float32" else 2) for t in art.state)
+    kv = sum(torch.zeros(t["shape"][1:]).numel() * 4 for t in art.state if state_kind(t) == "kv")
+    assert block_bytes(art.state, C) == per_slot - kv + kv * C // art.max_seq_len
+
+
+def test_20_requests_sharing_a_200_token_prefix_equal_no_cache(engines):
+    off, on = engines
+    prefix = ids(200, 1)
+    for k, sampling in enumerate((lambda i: {}, lambda i: dict(SEEDED, seed=i))):
+        jobs = [(prefix + ids(8, 100 + i + 20 * k), 8, sampling(i)) for i in range(20)]
+        ref = run_all(off, jobs)
+        first = run_all(on, jobs[:1])                 # stores the prefix's 12 whole blocks (and its 13th)
+        rest = run_all(on, jobs[1:])                  # submitted together: each resumes at token 192
+        got = first + rest
+        assert [g[:2] for g in got] == [r[:2] for r in ref]
+        assert all(r[2] == 0 for r in ref)
+        # the prompts differ from token 200 on, inside block 12 ([192, 208)): only blocks 0..11 are shared
+        assert [g[2] for g in got] == [0 if k == 0 else 192] + [192] * 19
+    st = on.stats()["prefix_cache"]
+    assert st["hit_tokens"] == 39 * 192 and st["evictions"] == 0 and st["hits"] == 39
+    assert st["queried_tokens"] == 40 * 208 and st["entries"] == 12 + 40 and st["bytes"] == 52 * st["block_bytes"]
+    assert off.stats()["prefix_cache"] is None
+
+
+def test_prefix_ending_mid_block_reuses_whole_blocks_only(engines):
+    off, on = engines
+    a = ids(40, 2)
+    cases = [(a, 0),                       # stores blocks [0, 16) and [16, 32)
+             (a[:24] + ids(20, 3), 16),    # shares 24 tokens: one whole block
+             (a, 32),                      # the same prompt: two blocks, token 32.. prefilled
+             (a[:32], 16),                 # a prompt of exactly two blocks: its last token is prefilled
+             (a[:33], 32)]
+    for prompt, cached in cases:
+        # the seeded run follows the greedy one, which stored the prompt's own whole blocks
+        for sp, want in (({}, cached), (dict(SEEDED, seed=7), (len(prompt) - 1) // C * C)):
+            got, ref = run_all(on, [(prompt, 6, sp)])[0], run_all(off, [(prompt, 6, sp)])[0]
+            assert got[:2] == ref[:2] and got[2] == want, (len(prompt), want, got[2])
+
+
+def test_eviction_under_a_tiny_budget_changes_no_output(tiny_artifact, engines, one_thread):
+    off, on = engines
+    per = on.cache.block_bytes
+    small = Engine.from_artifact(tiny_artifact, max_slots=2, check_parity=False, prefix_cache_bytes=3 * per + per // 2)
+    try:
+        assert small.cache.capacity == 3
+        prefixes = [ids(64, 10 + g) for g in range(3)]
+        jobs = [(prefixes[i % 3] + ids(5, 50 + i), 6, dict(SEEDED, seed=i) if i % 2 else {}) for i in range(12)]
+        got = [run_all(small, [j])[0] for j in jobs[:6]] + run_all(small, jobs[6:])
+        ref = run_all(off, jobs)
+        assert [g[:2] for g in got] == [r[:2] for r in ref]
+        st = small.stats()["prefix_cache"]
+        assert st["evictions"] > 0 and st["entries"] <= 3 and st["bytes"] <= 3 * per
+        assert st["hit_tokens"] == sum(g[2] for g in got) and all(g[2] % C == 0 for g in got)
+    finally:
+        small.close()
+
+
+def test_hit_logits_equal_miss_logits_bitwise(tiny_artifact, one_thread):
+    """At the executor: a prompt prefilled from token 0 in slot 0 (storing its blocks), then in slot 1 from
+    the cached 48 tokens on: the last chunk's logits and sampled id are the same bits."""
+    ex = GraphExecutor.from_artifact(tiny_artifact, max_slots=2, check_parity=False)
+    cache = for_executor(ex, 1 << 20)
+    assert isinstance(cache, PrefixCache) and cache.C == C
+    prompt = ids(53, 4)
+
+    def prefill(slot, chain, start):
+        i = start
+        while i < len(prompt):
+            out = ex.prefill_chunk(prompt, i, slot)
+            i += ex.chunk_tokens(len(prompt) - i)
+            cache.store(prompt, i, slot, chain)
+        return out
+    miss_chain, hit_chain = [], []
+    miss_ids, miss_logits = prefill(0, miss_chain, 0)
+    miss_logits = miss_logits.clone()
+    assert len(miss_chain) == 3                       # blocks ending at 16, 32, 48
+    P = cache.lookup(prompt, 1, hit_chain)
+    assert P == 48
+    hit_ids, hit_logits = prefill(1, hit_chain, P)
+    assert torch.equal(hit_ids, miss_ids) and torch.equal(hit_logits, miss_logits)
+    for t, kind in zip(ex.state, cache.kinds):     # the slots' state after the prompt: the same bits
+        if kind == "kv":
+            assert torch.equal(t[0, :, :len(prompt)], t[1, :, :len(prompt)])
+        else:
+            assert torch.equal(t[0], t[1])
+    cache.release(miss_chain)
+    cache.release(hit_chain)
+    assert all(e.pins == 0 for e in cache.entries.values())
