@@ -429,7 +429,8 @@ class Engine:
                 r.t_first = time.perf_counter()
             r.delivered += 1
             self.counters["generated_tokens"] += 1
-            r.emit(Event(tok))
+            r.emit(Event(tok, cached_tokens=r.cached_tokens))    # on every event: a server that stops a
+            # request itself (a stop string) never reads its last one
             if r.delivered >= r.max_new_tokens:
                 self._finish(r, "length")
 

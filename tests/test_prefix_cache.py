@@ -152,3 +152,47 @@ def test_hit_logits_equal_miss_logits_bitwise(tiny_artifact, one_thread):
     cache.release(miss_chain)
     cache.release(hit_chain)
     assert all(e.pins == 0 for e in cache.entries.values())
+
+
+def test_server_reports_cached_tokens_and_metrics(engines):
+    """usage.prompt_tokens_details.cached_tokens in chat and completions, streamed or not, and the /metrics
+    counters, through a real server on the cached engine: a prompt's second request reuses its whole blocks."""
+    import json
+    import re
+
+    import httpx
+    from server_helpers import running
+
+    from onegraph.server.app import create_app
+    off, on = engines
+    text = "The prefix cache keeps whole blocks of sixteen tokens: " + "".join(chr(96 + i) for i in ids(70, 5, 27))
+    msgs = [{"role": "system", "content": text}, {"role": "user", "content": "and then?"}]
+
+    def post(http, kind, stream):
+        body = {"model": "tiny", "max_tokens": 4, "temperature": 0, "stream": stream}
+        body.update({"messages": msgs} if kind == "chat" else {"prompt": text})
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        r = http.post(f"/v1/{'chat/' if kind == 'chat' else ''}completions", json=body)
+        assert r.status_code == 200, r.text
+        if not stream:
+            return r.json()["usage"]
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        return chunks[-1]["usage"]
+    with running(create_app(on, "tiny")) as url, httpx.Client(base_url=url, timeout=60) as http:
+        for kind in ("completion", "chat"):
+            first = post(http, kind, stream=False)
+            assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+            whole = (first["prompt_tokens"] - 1) // C * C
+            assert whole >= 4 * C
+            for stream in (True, False):
+                assert post(http, kind, stream)["prompt_tokens_details"] == {"cached_tokens": whole}
+        st = on.stats()["prefix_cache"]
+        page = httpx.get(url + "/metrics").text
+        for key, name in (("queried_tokens", "queried_tokens_total"), ("hit_tokens", "hit_tokens_total"),
+                          ("evictions", "evictions_total"), ("entries", "entries"), ("bytes", "bytes")):
+            m = re.search(rf"^onegraph_prefix_cache_{name} ([0-9.e+]+)$", page, re.M)
+            assert m and float(m.group(1)) == st[key], (name, m and m.group(1), st[key])
+    with running(create_app(off, "tiny")) as url, httpx.Client(base_url=url, timeout=60) as http:
+        assert post(http, "completion", stream=False)["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert "onegraph_prefix_cache" not in httpx.get(url + "/metrics").text
