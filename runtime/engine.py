@@ -110,9 +110,6 @@ class Engine:
             raise ValueError("speculative decoding needs an artifact exported with --speculative-tokens K "
                              "(this one has no draft / verify graphs)")
         self.spec = executor.speculative_tokens if speculation is not False else 0
-        if prefix_cache is not None and self.spec:
-            raise ValueError("the prefix cache does not hold the MTP head's state: use --no-prefix-cache or "
-                             "--no-speculation")
         self.cache = prefix_cache
         self.ex = executor
         self.max_queue = max_queue
@@ -152,9 +149,6 @@ class Engine:
         cache_bytes = 0
         if prefix_cache_bytes != 0:
             from . import prefix_cache
-            if speculation is not False and art.speculative_tokens:   # refused before any graph loads
-                raise ValueError("the prefix cache does not hold the MTP head's state: use --no-prefix-cache or "
-                                 "--no-speculation")
             cache_bytes = prefix_cache.budget(art, max_slots, prefix_cache_bytes, free_memory)
         ex = GraphExecutor.from_artifact(art, max_slots=max_slots, check_parity=check_parity,
                                          cuda_graphs=cuda_graphs, free_memory=free_memory)

@@ -65,8 +65,8 @@ def unsupported(state_meta: list, tp: int) -> str | None:
     if tp > 1:
         return f"the prefix cache runs at tp=1 (this artifact is tp={tp}: each rank owns its state)"
     if any(state_kind(t) == "spec" for t in state_meta):
-        return ("the prefix cache does not hold the MTP head's state: run speculative artifacts with "
-                "--no-prefix-cache, or without speculation")
+        return ("the prefix cache does not hold the MTP head's state (speculative decoding): serve this "
+                "artifact with --no-prefix-cache")
     return None
 
 
@@ -213,8 +213,9 @@ class PrefixCache:
 def budget(art, max_slots: int, requested: int | None, free_memory: int | None = None) -> int:
     """The pool bytes of an engine over `art` (an Artifact) with max_slots slots, checked before anything loads:
     `requested` bytes, or None for DEFAULT_FRACTION of the memory free after the weights, the slots and the
-    workspace (runtime/memory.py; `free_memory`: the free bytes to assume). A negative request, one larger than
-    that room, or a layout the cache does not hold (`unsupported`) is a ValueError of one line."""
+    workspace (runtime/memory.py; `free_memory`: the free bytes to assume), 0 where that default holds no block.
+    A request that is negative, holds no block or is larger than that room, or a layout the cache does not hold
+    (`unsupported`), is a ValueError of one line."""
     from .memory import DoesNotFit, free_bytes, needed_bytes, size
     why = unsupported(art.state, art.tp)
     if why:
@@ -223,8 +224,12 @@ def budget(art, max_slots: int, requested: int | None, free_memory: int | None =
         raise ValueError(f"the prefix cache budget must be >= 0 bytes, got {requested}")
     free = free_bytes(art.device) if free_memory is None else free_memory
     room = max(0, free - needed_bytes(art.path, art.manifest, max_slots, art.device.type, art.rank)["total"])
+    per = block_bytes(art.state, max(g["bucket"] for g in art.graphs.values() if g["kind"] == "prefill"))
     if requested is None:
-        return int(room * DEFAULT_FRACTION)
+        default = int(room * DEFAULT_FRACTION)
+        return default if default >= per else 0
+    if requested < per:
+        raise ValueError(f"a prefix cache of {requested} bytes holds no block ({per} bytes per block)")
     if requested > room:
         raise DoesNotFit(f"a prefix cache of {size(requested)} does not fit: {size(room)} is free on "
                          f"{art.device.type} after the weights, {max_slots} slots and the workspace")

@@ -196,3 +196,32 @@ def test_server_reports_cached_tokens_and_metrics(engines):
     with running(create_app(off, "tiny")) as url, httpx.Client(base_url=url, timeout=60) as http:
         assert post(http, "completion", stream=False)["prompt_tokens_details"] == {"cached_tokens": 0}
         assert "onegraph_prefix_cache" not in httpx.get(url + "/metrics").text
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--prefix-cache-gb", "-1"], "--prefix-cache-gb must be > 0 GiB"),
+    (["--prefix-cache-gb", "nan"], "--prefix-cache-gb must be > 0 GiB"),
+    (["--prefix-cache-gb", "1000000"], "does not fit"),              # checked before any graph loads
+    (["--prefix-cache-gb", "1e-9"], "holds no block"),
+])
+def test_serve_prefix_cache_option_errors_are_one_line_exit_2(tiny_artifact, capsys, flags, needle):
+    from onegraph.cli import main
+    assert main(["serve", str(tiny_artifact), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and needle in err and err.startswith("onegraph serve: error:"), err
+
+
+def test_serve_prefix_cache_flags_and_inspect(tiny_artifact, capsys):
+    from onegraph.cli import build_parser, main, prefix_cache_bytes
+    from onegraph.runtime.artifact import Artifact
+    art = Artifact.load(tiny_artifact)
+    parse = build_parser().parse_args
+    assert prefix_cache_bytes(parse(["serve", str(tiny_artifact)]), art) is None          # the default budget
+    assert prefix_cache_bytes(parse(["serve", str(tiny_artifact), "--no-prefix-cache"]), art) == 0
+    assert prefix_cache_bytes(parse(["serve", str(tiny_artifact), "--prefix-cache-gb", "0.5"]), art) == 1 << 29
+    with pytest.raises(SystemExit):            # argparse: the two are exclusive
+        parse(["serve", str(tiny_artifact), "--no-prefix-cache", "--prefix-cache-gb", "1"])
+    capsys.readouterr()
+    assert main(["inspect", str(tiny_artifact)]) == 0
+    want = block_bytes(art.state, C)
+    assert f"prefix cache: {want} bytes" in capsys.readouterr().out
