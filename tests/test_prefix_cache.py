@@ -225,3 +225,34 @@ def test_serve_prefix_cache_flags_and_inspect(tiny_artifact, capsys):
     assert main(["inspect", str(tiny_artifact)]) == 0
     want = block_bytes(art.state, C)
     assert f"prefix cache: {want} bytes" in capsys.readouterr().out
+
+
+def test_bench_serve_shared_prefix_workload_on_and_off(engines, tmp_path, capsys):
+    """bench-serve's shared-prefix workload (2 groups sharing 64 ids, then 6 of each request's own) against
+    servers on the cached and the uncached engine: the same outputs, a hit rate only with the cache."""
+    import json
+
+    from server_helpers import running
+
+    from onegraph.cli import main
+    from onegraph.server.app import create_app
+    res = {}
+    for name, eng in zip(("off", "on"), engines):
+        out = tmp_path / f"{name}.json"
+        with running(create_app(eng, "tiny")) as url:
+            assert main(["bench-serve", "--base-url", url, "--num-requests", "8", "--concurrency", "1",
+                         "--input-len", "6", "--output-len", "4", "--shared-prefix-groups", "2",
+                         "--shared-prefix-len", "64", "--seed", "9", "--save-outputs", "--quiet", "--no-plot",
+                         "--out", str(out)]) == 0
+        res[name] = json.loads(out.read_text())
+    off, on = res["off"], res["on"]
+    prompts = [o["prompt_ids"] for o in on["outputs"]]
+    assert all(len(p) == 70 for p in prompts) and prompts[0][:64] == prompts[2][:64] != prompts[1][:64]
+    assert [o["text"] for o in on["outputs"]] == [o["text"] for o in off["outputs"]]
+    assert off["prefix_cache_hit_rate"] == 0 and off["cached_tokens"] == 0
+    # one request at a time: each group's first request misses, the other 3 reuse its 4 whole blocks (64 ids)
+    assert on["cached_tokens"] == 6 * 64 and on["prefix_cache_hit_rate"] == pytest.approx(6 * 64 / (8 * 70))
+    assert main(["bench-serve", "--base-url", "http://127.0.0.1:9", "--num-requests", "1", "--concurrency", "1",
+                 "--input-len", "1", "--output-len", "1", "--shared-prefix-groups", "2", "--out",
+                 str(tmp_path / "x.json")]) == 2
+    assert "--shared-prefix-groups and --shared-prefix-len go together" in capsys.readouterr().err
