@@ -115,12 +115,13 @@ class PrefixCache:
         self.counters = collections.Counter()
 
     # ---- keys ----
-    def keys(self, prompt: list[int], blocks: int) -> list[bytes]:
-        """The chain keys of the prompt's first `blocks` blocks."""
-        out, k = [], self.root
-        ids = torch.tensor(prompt[:blocks * self.C], dtype=torch.int64).numpy().tobytes()
+    def keys(self, prompt: list[int], blocks: int, parent: bytes | None = None, first: int = 0) -> list[bytes]:
+        """The chain keys of the prompt's blocks [first, blocks), block `first` extending `parent` (default:
+        the scope, for first = 0): each key_k = sha256(key_{k-1} || block k's ids as int64)."""
+        out, k = [], self.root if parent is None else parent
+        ids = torch.tensor(prompt[first * self.C:blocks * self.C], dtype=torch.int64).numpy().tobytes()
         step = self.C * 8
-        for b in range(blocks):
+        for b in range(blocks - first):
             k = hashlib.sha256(k + ids[b * step:(b + 1) * step]).digest()
             out.append(k)
         return out
@@ -162,7 +163,7 @@ class PrefixCache:
         b = done // self.C - 1
         if done % self.C or len(chain) != b:
             return
-        key = self.keys(prompt, b + 1)[-1]
+        key = self.keys(prompt, b + 1, chain[-1].key if chain else None, b)[0]   # one block's hash
         e = self.entries.get(key)
         if e is None:
             row = self._row()

@@ -256,3 +256,39 @@ def test_bench_serve_shared_prefix_workload_on_and_off(engines, tmp_path, capsys
                  "--input-len", "1", "--output-len", "1", "--shared-prefix-groups", "2", "--out",
                  str(tmp_path / "x.json")]) == 2
     assert "--shared-prefix-groups and --shared-prefix-len go together" in capsys.readouterr().err
+
+
+def test_pool_copies_chain_keys_and_leaf_first_eviction():
+    """No artifact: a KV tensor [S+1, 2, 64, 4] and a recurrent one [S+1, 2, 4, 4], blocks of 16, room for 3."""
+    meta = [{"name": "layer0.k_cache", "shape": ["S", 2, 64, 4], "dtype": "float32"},
+            {"name": "layer1.rec", "shape": ["S", 2, 4, 4], "dtype": "float32"}]
+    state = [torch.zeros(3, 2, 64, 4), torch.zeros(3, 2, 4, 4)]
+    per = block_bytes(meta, 16)
+    assert per == (2 * 16 * 4 + 2 * 4 * 4) * 4
+    cache = PrefixCache(state, meta, 16, 3 * per, "scope")
+    p = list(range(60))
+    full = cache.keys(p, 3)
+    assert cache.keys(p, 3, full[0], 1) == full[1:]                      # a block's key extends its parent's
+    assert PrefixCache(state, meta, 16, per, "other").keys(p, 1) != full[:1]   # scoped
+    state[0][0].normal_()
+    state[1][0].normal_()
+    chain = []
+    for done in (16, 32, 48):
+        cache.store(p, done, 0, chain)
+    assert [e.key for e in chain] == full and cache.stats()["entries"] == 3
+    hit = []
+    assert cache.lookup(p, 1, hit) == 48
+    assert torch.equal(state[0][1, :, :48], state[0][0, :, :48]) and not state[0][1, :, 48:].any()
+    assert torch.equal(state[1][1], state[1][0])
+    # full and every entry pinned: a fourth block is not stored, nothing is evicted
+    other = list(range(100, 160))
+    mine = []
+    cache.store(other, 16, 2, mine)
+    assert mine == [] and cache.stats()["store_skipped"] == 1 and cache.stats()["evictions"] == 0
+    cache.release(chain)
+    cache.release(hit)
+    # unpinned: the leaf (the 48-token block) goes first, its parents stay
+    cache.store(other, 16, 2, mine)
+    assert len(mine) == 1 and cache.stats()["evictions"] == 1
+    assert [k in cache.entries for k in full] == [True, True, False]
+    assert cache.lookup(p, 1, []) == 32
