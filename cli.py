@@ -458,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--prefix-cache-gb", type=float, default=None, metavar="G",
                    help="device memory for the prefix cache's blocks, in GiB (default: 10%% of the memory free "
-                        "after the weights, the slots and the workspace; refused with speculation or tensor "
+                        "after the weights, the slots and the workspace, at most 64 max_seq_len prompts; refused with speculation or tensor "
                         "parallel, where it is off by default)")
     g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="prefill every prompt from token 0 (no prefix cache)")

@@ -17,9 +17,9 @@ So the KV rows of a prefix are shared along the chain (each entry stores its own
 hit of k blocks needs the entries of blocks 0..k-1 (it copies every chain entry's KV rows and the last
 one's GDN state).
 
-Memory: one pool per state tensor, [N, ...] for N = budget // bytes_per_block blocks, allocated once when the
-cache is made (a budget that does not fit is refused there), so storing never allocates: no out-of-memory
-error mid-request. A block that finds no free pool row and nothing evictable is not stored. Eviction is LRU
+Memory: one pool per state tensor, [N, ...] for N = budget // bytes_per_block blocks, allocated and zeroed once
+when the cache is made (a budget that does not fit is refused there; zeroed, so a CPU host commits its pages
+then, not as blocks are stored), so storing never allocates: no out-of-memory error mid-request. A block that finds no free pool row and nothing evictable is not stored. Eviction is LRU
 over leaves (an entry no other entry extends) that no request pins: a request pins the chain it matched
 and the blocks it stored until its prefill ends, so a chain it extends stays whole.
 
@@ -38,8 +38,10 @@ import math
 
 import torch
 
-# the fraction of the memory free after the weights, the slots and the workspace that a default budget takes
+# a default budget: this fraction of the memory free after the weights, the slots and the workspace, at most
+# the blocks of DEFAULT_PROMPTS prompts of max_seq_len tokens (a small model on a large host stays small)
 DEFAULT_FRACTION = 0.1
+DEFAULT_PROMPTS = 64
 
 
 def state_kind(meta: dict) -> str:
@@ -106,7 +108,7 @@ class PrefixCache:
             raise ValueError(f"a prefix cache budget of {budget_bytes} bytes holds no block "
                              f"({self.block_bytes} bytes per block of {block_tokens} tokens)")
         # pools: [N, KVH, C, D] per KV tensor, [N, ...] per GDN tensor; only rows a block wrote are ever read
-        self.pools = [torch.empty((self.capacity, t.shape[1], block_tokens, *t.shape[3:]) if k == "kv"
+        self.pools = [torch.zeros((self.capacity, t.shape[1], block_tokens, *t.shape[3:]) if k == "kv"
                                   else (self.capacity, *t.shape[1:]), dtype=t.dtype, device=t.device)
                       for t, k in zip(state, self.kinds)]
         self.free_rows = list(range(self.capacity))
@@ -214,7 +216,8 @@ class PrefixCache:
 def budget(art, max_slots: int, requested: int | None, free_memory: int | None = None) -> int:
     """The pool bytes of an engine over `art` (an Artifact) with max_slots slots, checked before anything loads:
     `requested` bytes, or None for DEFAULT_FRACTION of the memory free after the weights, the slots and the
-    workspace (runtime/memory.py; `free_memory`: the free bytes to assume), 0 where that default holds no block.
+    workspace (runtime/memory.py; `free_memory`: the free bytes to assume), at most DEFAULT_PROMPTS prompts of
+    max_seq_len tokens, and 0 where that default holds no block.
     A request that is negative, holds no block or is larger than that room, or a layout the cache does not hold
     (`unsupported`), is a ValueError of one line."""
     from .memory import DoesNotFit, free_bytes, needed_bytes, size
@@ -225,9 +228,10 @@ def budget(art, max_slots: int, requested: int | None, free_memory: int | None =
         raise ValueError(f"the prefix cache budget must be >= 0 bytes, got {requested}")
     free = free_bytes(art.device) if free_memory is None else free_memory
     room = max(0, free - needed_bytes(art.path, art.manifest, max_slots, art.device.type, art.rank)["total"])
-    per = block_bytes(art.state, max(g["bucket"] for g in art.graphs.values() if g["kind"] == "prefill"))
+    C = max(g["bucket"] for g in art.graphs.values() if g["kind"] == "prefill")
+    per = block_bytes(art.state, C)
     if requested is None:
-        default = int(room * DEFAULT_FRACTION)
+        default = min(int(room * DEFAULT_FRACTION), DEFAULT_PROMPTS * -(-art.max_seq_len // C) * per)
         return default if default >= per else 0
     if requested < per:
         raise ValueError(f"a prefix cache of {requested} bytes holds no block ({per} bytes per block)")

@@ -219,6 +219,12 @@ def test_serve_prefix_cache_flags_and_inspect(tiny_artifact, capsys):
     assert prefix_cache_bytes(parse(["serve", str(tiny_artifact)]), art) is None          # the default budget
     assert prefix_cache_bytes(parse(["serve", str(tiny_artifact), "--no-prefix-cache"]), art) == 0
     assert prefix_cache_bytes(parse(["serve", str(tiny_artifact), "--prefix-cache-gb", "0.5"]), art) == 1 << 29
+    from onegraph.runtime.memory import needed_bytes
+    from onegraph.runtime.prefix_cache import budget
+    per, fixed = block_bytes(art.state, C), needed_bytes(art.path, art.manifest, 4, "cpu")["total"]
+    assert budget(art, 4, None, free_memory=1 << 50) == 64 * (256 // C) * per      # 64 prompts of max_seq_len
+    assert budget(art, 4, None, free_memory=fixed + 100 * per) == 10 * per         # 10 % of what is left
+    assert budget(art, 4, None, free_memory=fixed + 5 * per) == 0                  # holds no block: off
     with pytest.raises(SystemExit):            # argparse: the two are exclusive
         parse(["serve", str(tiny_artifact), "--no-prefix-cache", "--prefix-cache-gb", "1"])
     capsys.readouterr()
