@@ -60,7 +60,7 @@ class QueueFull(RuntimeError):
 class Event:
     token_id: int | None
     finish_reason: str | None = None     # None until the last event: stop | length | cancelled | error
-    cached_tokens: int = 0               # the last event: prompt tokens the prefix cache supplied
+    cached_tokens: int = 0               # prompt tokens the prefix cache supplied (every event of the request)
 
 
 @dataclasses.dataclass
