@@ -176,8 +176,10 @@ class PrefixCache:
             e = self.entries[key] = Entry(key, parent, row, b + 1)
             if parent is not None:
                 parent.children += 1
-            for t, pool, kind in zip(self.state, self.pools, self.kinds):
-                pool[row].copy_(t[slot, :, done - self.C:done] if kind == "kv" else t[slot])
+            # one foreach call for every state tensor (a copy_ each costs more host time than its bytes here)
+            torch._foreach_copy_([pool[row] for pool in self.pools],
+                                 [t[slot, :, done - self.C:done] if k == "kv" else t[slot]
+                                  for t, k in zip(self.state, self.kinds)])
             self.counters["stored_blocks"] += 1
         else:
             self.entries.move_to_end(key)
