@@ -195,7 +195,20 @@ def memory_text(path: Path, m: dict) -> str:
         ctx = {n: memory.max_seq_len_fitting(path, m, free, dev.type, n) for n in (1, 4, 16, 64)}
         lines.append("  the largest --max-seq-len an export could take here, by --max-slots: "
                      + ", ".join(f"{n}: {t}" for n, t in ctx.items()))
+    lines.append(prefix_cache_text(m))
     return "\n".join(lines)
+
+
+def prefix_cache_text(m: dict) -> str:
+    """inspect's prefix cache line: the bytes of one cached block (runtime/prefix_cache.py), or why it is off."""
+    from onegraph.runtime import prefix_cache
+    C = max(g["bucket"] for g in m["graphs"].values() if g["kind"] == "prefill")
+    from onegraph.runtime.artifact import tp_size
+    why = prefix_cache.unsupported(m["state"], tp_size(m))
+    if why:
+        return f"prefix cache: {why}"
+    n = prefix_cache.block_bytes(m["state"], C)
+    return f"prefix cache: {n} bytes ({n / (1 << 20):.2f} MiB) per cached block of {C} tokens"
 
 
 def cmd_eval(args) -> int:
@@ -310,6 +323,24 @@ def generate_artifact(args) -> int:
     return 0
 
 
+def prefix_cache_bytes(args, art) -> int | None:
+    """serve's prefix cache pool for Engine.from_artifact: 0 with --no-prefix-cache, --prefix-cache-gb G's
+    bytes (Engine refuses a G larger than the memory left free, or an artifact the cache cannot hold: exit 2),
+    else None (the default budget, runtime/prefix_cache.py) where the cache holds the artifact's state, and 0
+    (said in the log) where it does not: a speculative artifact (the MTP head's state) or tensor parallel."""
+    from onegraph.runtime import prefix_cache
+    if not args.prefix_cache:
+        return 0
+    if args.prefix_cache_gb is not None:
+        return int(args.prefix_cache_gb * (1 << 30))
+    why = prefix_cache.unsupported(art.state, art.tp)
+    if why:
+        import logging
+        logging.getLogger("onegraph.runtime").warning("onegraph prefix cache: off by default here: %s", why)
+        return 0
+    return None
+
+
 def cmd_serve(args) -> int:
     """OpenAI-compatible HTTP server over one Engine. SIGTERM/SIGINT: stop accepting, cancel what
     is in flight (streams end with an error event), close the engine, exit 0."""
@@ -328,6 +359,9 @@ def cmd_serve(args) -> int:
     if args.prefill_budget is not None and args.prefill_budget < 1:
         raise UserError(f"--prefill-budget must be >= 1 tokens, got {args.prefill_budget}")
     limits.check_max_request_bytes(args.max_request_bytes)
+    if args.prefix_cache_gb is not None and not args.prefix_cache_gb > 0:     # also NaN
+        raise UserError(f"--prefix-cache-gb must be > 0 GiB (--no-prefix-cache turns the cache off), got "
+                        f"{args.prefix_cache_gb}")
     if args.device is not None:
         usable_device(args.device)
     # bind before the load (at 35B the load takes minutes): a bad or busy port costs nothing. Under
@@ -340,7 +374,8 @@ def cmd_serve(args) -> int:
         if code is None:
             engine = Engine.from_artifact(art, max_slots=args.max_slots, max_queue=args.max_queue,
                                           cuda_graphs=args.cuda_graphs, speculation=args.speculation,
-                                          prefill_budget=args.prefill_budget)
+                                          prefill_budget=args.prefill_budget,
+                                          prefix_cache_bytes=prefix_cache_bytes(args, art))
     except BaseException:              # a refused load: the port is free again at once
         if sock is not None:
             sock.close()
@@ -558,6 +593,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-budget", type=int, default=None, metavar="TOKENS",
                    help="prompt tokens prefilled per engine step, between the running streams' decode steps "
                         "(default: the artifact's largest prefill chunk; at least one chunk runs per step)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--prefix-cache-gb", type=float, default=None, metavar="G",
+                   help="device memory for the prefix cache's blocks, in GiB (default: 10%% of the memory free "
+                        "after the weights, the slots and the workspace, at most 64 max_seq_len prompts; refused with speculation or tensor "
+                        "parallel, where it is off by default)")
+    g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="prefill every prompt from token 0 (no prefix cache)")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: artifact dir name)")
     p.add_argument("--device", default=None, help="artifact device (default: the one it was exported for)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

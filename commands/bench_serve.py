@@ -9,7 +9,10 @@ random prompt token ids drawn uniformly from [0, --vocab-size) (default 256: val
 ids or more), sent as token ids so the server sees exactly --input-len tokens (`--tokenizer` decodes them to
 text instead, as vLLM's random dataset does); lengths uniform in [L(1-r), L(1+r)] with --range-ratio r
 (vLLM's --random-range-ratio). Or `--dataset FILE.jsonl`: text prompts from a file, one
-{"prompt", "output_len"} a line, in a seeded order. `ignore_eos: true` (vLLM and SGLang's extension, which onegraph has) makes
+{"prompt", "output_len"} a line, in a seeded order. Or a shared-prefix workload (SGLang's generated-shared-prefix):
+`--shared-prefix-groups G --shared-prefix-len L`: G seeded system prompts of L random ids, request i starts with
+group i mod G's and goes on with its own --input-len ids (the question); the JSON then reports the prefix cache's
+hit rate (`usage.prompt_tokens_details.cached_tokens` over the prompt tokens) next to TTFT. `ignore_eos: true` (vLLM and SGLang's extension, which onegraph has) makes
 every request produce its --output-len tokens; --no-ignore-eos leaves it out. Arrivals: a Poisson process of
 --request-rate requests/s (exponential gaps), or all at once; --concurrency caps the requests in flight.
 
@@ -66,6 +69,9 @@ def add_args(p) -> None:
                    "a seeded order, cycling")
     p.add_argument("--api", default="completions", choices=["completions", "chat"],
                    help="/v1/completions (default) or /v1/chat/completions (text prompts: --tokenizer or --dataset)")
+    p.add_argument("--shared-prefix-groups", default=None, metavar="G", help="shared-prefix workload: G groups, "
+                   "each sharing a system prompt of --shared-prefix-len ids before each request's --input-len")
+    p.add_argument("--shared-prefix-len", default=None, metavar="L", help="tokens of each group's shared prefix")
     p.add_argument("--seed", default="0")
     p.add_argument("--temperature", default="0", help="temperature of the unsampled share (default 0: greedy)")
     p.add_argument("--sampled-fraction", default="0", help="share of requests that sample at "
@@ -133,6 +139,8 @@ class Config:
     timeout: float
     save_outputs: bool
     quiet: bool
+    shared_prefix_groups: int = 0     # 0: no shared-prefix workload
+    shared_prefix_len: int = 0
 
 
 def load_dataset(path: str) -> list[dict]:
@@ -190,6 +198,13 @@ def check_args(args) -> Config:
         ignore_eos=args.ignore_eos, extra_body=extra,
         first_token_timeout=_num(args, "first_token_timeout", float, 0, lo_open=True),
         timeout=_num(args, "timeout", float, 0, lo_open=True), save_outputs=args.save_outputs, quiet=args.quiet)
+    if (args.shared_prefix_groups is None) != (args.shared_prefix_len is None):
+        raise BenchServeError("--shared-prefix-groups and --shared-prefix-len go together")
+    if args.shared_prefix_groups is not None:
+        if dataset is not None:
+            raise BenchServeError("--shared-prefix-groups makes random prompts: not with --dataset")
+        cfg.shared_prefix_groups = _num(args, "shared_prefix_groups", int, 1)
+        cfg.shared_prefix_len = _num(args, "shared_prefix_len", int, 1)
     if cfg.concurrency is None and cfg.request_rate is None and not all_at_once:
         raise BenchServeError("pass --concurrency C or --request-rate R (or both: Poisson arrivals, at most C in flight)")
     return cfg
@@ -222,10 +237,16 @@ def make_requests(cfg: Config, decode=None) -> list[Req]:
     gaps = g[4].exponential(1.0 / cfg.request_rate, size=n) if cfg.request_rate else np.zeros(n)
     arrivals = np.cumsum(gaps) - gaps[0]
     order = g[0].permutation(len(cfg.dataset)) if cfg.dataset else None
+    # shared-prefix groups from a stream of their own: the other properties stay those of the plain workload
+    gp = np.random.default_rng([cfg.seed & 0xFFFFFFFF, 5])
+    prefixes = [gp.integers(0, cfg.vocab_size, size=cfg.shared_prefix_len).tolist()
+                for _ in range(cfg.shared_prefix_groups)]
     reqs = []
     for i in range(n):
         row = cfg.dataset[order[i % len(order)]] if cfg.dataset else None
         ids = [] if row else g[0].integers(0, cfg.vocab_size, size=int(in_lens[i])).tolist()
+        if prefixes:
+            ids = prefixes[i % len(prefixes)] + ids
         m = int(row["output_len"] or out_lens[i]) if row else int(out_lens[i])
         reqs.append(Req(i, ids, m, cfg.sample_temperature if sampled[i] else cfg.temperature,
                         int(seeds[i]) if sampled[i] else None,
@@ -417,7 +438,7 @@ def summarize(cfg: Config, reqs: list[Req], results: list[Result], duration: flo
         if r.status == "error":
             errors[r.error] = errors.get(r.error, 0) + 1
     counted_by: dict[str, int] = {}
-    out_toks, in_toks, tpots, itls = [], [], [], []
+    out_toks, in_toks, tpots, itls, cached = [], [], [], [], []
     for q, r in ok:
         u = r.usage or {}
         if isinstance(u.get("completion_tokens"), int):
@@ -429,6 +450,9 @@ def summarize(cfg: Config, reqs: list[Req], results: list[Result], duration: flo
         counted_by[how] = counted_by.get(how, 0) + 1
         out_toks.append(n)
         in_toks.append(u["prompt_tokens"] if isinstance(u.get("prompt_tokens"), int) else len(q.prompt_ids))
+        c = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
+        if isinstance(c, int):
+            cached.append((c, in_toks[-1]))
         if n > 1:
             tpots.append((r.e2e_s - r.ttft_s) / (n - 1))
         itls += r.itl_s
@@ -447,6 +471,10 @@ def summarize(cfg: Config, reqs: list[Req], results: list[Result], duration: flo
         "ttft_ms": _pct([r.ttft_s for _, r in ok]), "tpot_ms": _pct(tpots), "itl_ms": _pct(itls),
         "e2e_ms": _pct([r.e2e_s for _, r in ok]), "tokens_counted_by": counted_by,
         "first_errors": [f"{r.index}: {r.error}: {r.detail}" for r in results if r.status == "error"][:5],
+        "shared_prefix_groups": cfg.shared_prefix_groups, "shared_prefix_len": cfg.shared_prefix_len,
+        # over completed requests whose usage says: cached prompt tokens / their prompt tokens (None: none did)
+        "cached_tokens": sum(c for c, _ in cached) if cached else None,
+        "prefix_cache_hit_rate": sum(c for c, _ in cached) / max(1, sum(n for _, n in cached)) if cached else None,
     }
     if cfg.save_outputs:
         res["outputs"] = [dict(index=q.index, prompt_ids=q.prompt_ids, prompt_text=q.prompt_text,
@@ -517,7 +545,8 @@ def main(args) -> int:
     print(f"completed {res['completed']}/{cfg.num_requests} (disconnected {res['disconnected']}, failed "
           f"{res['failed']} {res['errors'] or ''}) in {res['duration_s']:.1f} s: {res['requests_s']:.2f} req/s, "
           f"output {res['output_tok_s']:.1f} tok/s, input {res['input_tok_s']:.1f} tok/s; ms p50/p90/p99: "
-          f"TTFT {f(res['ttft_ms'])}, TPOT {f(res['tpot_ms'])}, ITL {f(res['itl_ms'])}")
+          f"TTFT {f(res['ttft_ms'])}, TPOT {f(res['tpot_ms'])}, ITL {f(res['itl_ms'])}"
+          + ("" if res["prefix_cache_hit_rate"] is None else f"; prefix cache hit rate {res['prefix_cache_hit_rate']:.3f}"))
     if not args.no_plot:
         try:
             from .plot import plot

@@ -27,6 +27,12 @@ and emits targets[:n_accepted + 1] through the same stop / length rules as decod
 tokens are those of speculation off (greedy and seeded sampling alike). The host does not know a round's
 length until it reads it: `produced` counts one token per round in flight, so a request may run one round
 past its end, whose tokens are dropped as a stopped request's overrun token is.
+
+Prefix cache (runtime/prefix_cache.py; `prefix_cache_bytes` of from_artifact, off by default here, on by
+default in `serve`): a request's first prefill chunk first copies the longest cached whole-block prefix of its
+prompt into its slot and its prefill goes on from there, with the chunk partition of an uncached prefill (the
+outputs are bit-identical); each chunk that ends on a block boundary stores that block. A request reports
+the prompt tokens it reused as `cached_tokens` (its last Event, Result).
 """
 from __future__ import annotations
 
@@ -59,6 +65,7 @@ class Event:
     """One step of a request's output: a token id, or (the last event) token_id None and a finish_reason."""
     token_id: int | None
     finish_reason: str | None = None     # None until the last event: stop | length | cancelled | error
+    cached_tokens: int = 0               # prompt tokens the prefix cache supplied (every event of the request)
 
 
 @dataclasses.dataclass
@@ -68,6 +75,7 @@ class Result:
     finish_reason: str
     timings: dict
     speculation: dict | None = None     # {tokens: K, accepted_mean, rounds} when the engine speculates
+    cached_tokens: int = 0              # prompt tokens the prefix cache supplied (not prefilled)
 
 
 @dataclasses.dataclass(eq=False)
@@ -89,6 +97,8 @@ class Request:
     delivered: int = 0                  # tokens emitted to the caller
     rounds: int = 0                     # speculative rounds read while the request ran
     accepted: int = 0                   # drafts accepted over those rounds
+    cached_tokens: int = -1             # prompt tokens the prefix cache supplied (-1: not looked up yet)
+    cache_chain: list = dataclasses.field(default_factory=list)   # the prefix cache entries it pins
 
 
 class Engine:
@@ -100,11 +110,12 @@ class Engine:
     """
 
     def __init__(self, executor: GraphExecutor, max_queue: int = 64, speculation: bool | None = None,
-                 prefill_budget: int | None = None):
+                 prefill_budget: int | None = None, prefix_cache=None):
         """speculation: None uses the artifact's speculative graphs where it has them, False decodes one token
         per step, True requires them (ValueError naming the export option if the artifact has none).
         prefill_budget: prompt tokens prefilled per engine step between decode steps (default: the largest
-        prefill chunk; at least one chunk runs per step whatever its size)."""
+        prefill chunk; at least one chunk runs per step whatever its size). prefix_cache: a
+        runtime/prefix_cache.py PrefixCache over this executor's state, or None."""
         if prefill_budget is not None and prefill_budget < 1:
             raise ValueError(f"prefill_budget must be >= 1 prompt tokens per step, got {prefill_budget}")
         self.prefill_budget = int(prefill_budget or executor.prefill_buckets[-1])
@@ -112,6 +123,7 @@ class Engine:
             raise ValueError("speculative decoding needs an artifact exported with --speculative-tokens K "
                              "(this one has no draft / verify graphs)")
         self.spec = executor.speculative_tokens if speculation is not False else 0
+        self.cache = prefix_cache
         self.ex = executor
         self.max_queue = max_queue
         self.vocab = executor.vocab_size
@@ -136,24 +148,36 @@ class Engine:
     def from_artifact(cls, path, max_slots: int = 4, max_queue: int = 64, device: str | None = None,
                       check_parity: bool = True, cuda_graphs: bool = True,
                       speculation: bool | None = None, prefill_budget: int | None = None,
-                      free_memory: int | None = None) -> "Engine":
+                      free_memory: int | None = None, prefix_cache_bytes: int | None = 0) -> "Engine":
         """An engine over an artifact: a directory (verified here, for `device`: default the artifact's) or an
         Artifact already loaded (on its own device). prefill_budget: see Engine. A max_slots that does not
         fit in the device's free memory (or `free_memory` bytes) is refused with a ValueError naming the
-        memory needed and free (GraphExecutor.from_artifact)."""
+        memory needed and free (GraphExecutor.from_artifact). prefix_cache_bytes: the prefix cache's pool
+        (0: no cache; None: runtime/prefix_cache.py's default fraction of the memory left free), checked
+        before any graph loads (prefix_cache.budget)."""
         art = path if isinstance(path, Artifact) else Artifact.load(path, device, defer_sha256=True)
         if speculation and not art.speculative_tokens:     # refused before any graph loads
             raise ValueError(f"{art.path} has no draft / verify graphs: export it with --speculative-tokens K "
                              f"to decode speculatively")
+        cache_bytes = 0
+        if prefix_cache_bytes != 0:
+            from . import prefix_cache
+            cache_bytes = prefix_cache.budget(art, max_slots, prefix_cache_bytes, free_memory)
         ex = GraphExecutor.from_artifact(art, max_slots=max_slots, check_parity=check_parity,
                                          cuda_graphs=cuda_graphs, free_memory=free_memory)
-        eng = cls(ex, max_queue, speculation, prefill_budget)
+        cache = None
+        if cache_bytes:
+            from .prefix_cache import for_executor
+            cache = for_executor(ex, cache_bytes)
+        eng = cls(ex, max_queue, speculation, prefill_budget, cache)
         log.info("onegraph engine: %s, %d slots, decode buckets %s, prefill chunks %s, prefill budget %s tokens "
                  "per step, speculative tokens %s", ex.path, max_slots, ex.decode_buckets, ex.prefill_buckets,
                  eng.prefill_budget, ex.speculative_tokens if speculation is not False else "off")
         log.info("onegraph load (wall s): %s", ", ".join(f"{k} {v:.2f}" for k, v in ex.load_timings_s.items()))
         if ex.fixture_report is not None:
             log.info("onegraph parity fixture: %s", ex.fixture_report)
+        log.info("onegraph prefix cache: %s", "off" if cache is None else
+                 f"{cache.capacity} blocks of {cache.C} tokens, {cache.block_bytes} bytes each")
         return eng
 
     @property
@@ -243,7 +267,7 @@ class Engine:
         if self.spec:
             with self.cv:
                 spec = {"tokens": self.spec, "accepted_mean": req.accepted / max(1, req.rounds), "rounds": req.rounds}
-        return Result(out, fin[0], self.timings((time.perf_counter() - t0) * 1e3), spec)
+        return Result(out, fin[0], self.timings((time.perf_counter() - t0) * 1e3), spec, max(0, req.cached_tokens))
 
     def timings(self, total_ms: float) -> dict:
         """Timing fields with their unit in the name (README: JSON output): total_ms of the request,
@@ -295,7 +319,8 @@ class Engine:
                     "max_slots": self.ex.max_slots, "prefilling": len(self.prefilling),
                     "prefill_budget": self.prefill_budget, "counters": dict(self.counters),
                     "step_us": {k: v / steps for k, v in self.step_us.items()},
-                    "speculation": self._spec_stats(), "error": repr(self.error) if self.error else None}
+                    "speculation": self._spec_stats(), "error": repr(self.error) if self.error else None,
+                    "prefix_cache": self.cache.stats() if self.cache is not None else None}
 
     def _spec_stats(self) -> dict | None:
         """Under self.cv. acceptance_rate: accepted drafts / drafted (rounds x K); mean_accepted_length:
@@ -325,7 +350,7 @@ class Engine:
         if r.slot >= 0 and self.active.get(r.slot) is r:
             del self.active[r.slot]
             self.free.append(r.slot)
-        r.emit(Event(None, reason))
+        r.emit(Event(None, reason, max(0, r.cached_tokens)))
 
     def _loop(self):
         torch.set_num_threads(self.threads)
@@ -370,6 +395,10 @@ class Engine:
                 for r in list(self.active.values()):
                     self._finish(r, "cancelled")
             # a request cancelled mid-prefill left with its slot (_finish above): its chunks stop here
+            if self.cache is not None:
+                for r in self.prefilling:
+                    if r.done:
+                        self.cache.release(r.cache_chain)
             self.prefilling = collections.deque(r for r in self.prefilling if not r.done)
             # requests whose prompt is all fed; one whose last chunk runs below decodes from the next step on
             rows = [r for r in self.active.values() if r.prefilled == len(r.prompt) and r.produced < r.max_new_tokens]
@@ -429,7 +458,8 @@ class Engine:
                 r.t_first = time.perf_counter()
             r.delivered += 1
             self.counters["generated_tokens"] += 1
-            r.emit(Event(tok))
+            r.emit(Event(tok, cached_tokens=r.cached_tokens))    # on every event: a server that stops a
+            # request itself (a stop string) never reads its last one
             if r.delivered >= r.max_new_tokens:
                 self._finish(r, "length")
 
@@ -453,18 +483,24 @@ class Engine:
         spent = chunks = 0
         while self.prefilling:
             r = self.prefilling[0]
+            if r.cached_tokens < 0:       # its first chunk: resume after the longest cached whole-block prefix
+                r.cached_tokens = r.prefilled = self.cache.lookup(r.prompt, r.slot, r.cache_chain) if self.cache else 0
             n = self.ex.chunk_tokens(len(r.prompt) - r.prefilled)
             if chunks and spent + n > self.prefill_budget:
                 break
             t = time.perf_counter()
             ids, _ = self.ex.prefill_chunk(r.prompt, r.prefilled, r.slot, r.sampling)
             r.prefilled += n
+            if self.cache is not None:    # a chunk ending on a block boundary stores that block
+                self.cache.store(r.prompt, r.prefilled, r.slot, r.cache_chain)
             spent, chunks = spent + n, chunks + 1
             self.counters["prefill_tokens"] += n
             self.counters["prefill_chunks"] += 1
             self.step_us["prefill"] += (time.perf_counter() - t) * 1e6
             if r.prefilled == len(r.prompt):
                 self.prefilling.popleft()
+                if self.cache is not None:
+                    self.cache.release(r.cache_chain)
                 r.pos, r.produced = len(r.prompt), 1
                 self._launch([r], ids)
         return chunks

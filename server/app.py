@@ -176,6 +176,7 @@ class _Server:
                 c = choices[i]
                 if i not in pending:
                     continue                       # the tail of a request we stopped ourselves
+                c.cached_tokens = ev.cached_tokens
                 if ev.token_id is not None:
                     parts, stopped = c.on_token(ev.token_id)
                     if stopped:

@@ -34,9 +34,12 @@ class Job:
     tools: dict | None = None      # chat: tool-call parser on (function name -> parameters schema)
 
     def usage(self, choices: list[Choice]) -> dict:
+        """OpenAI's usage; prompt_tokens_details.cached_tokens: the prompt tokens the engine's prefix cache
+        supplied, the least over the n choices (the prompt counts once)."""
         gen = sum(len(c.token_ids) for c in choices)
         return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": gen,
-                "total_tokens": len(self.prompt_ids) + gen}
+                "total_tokens": len(self.prompt_ids) + gen,
+                "prompt_tokens_details": {"cached_tokens": min((c.cached_tokens for c in choices), default=0)}}
 
 
 @dataclasses.dataclass
@@ -50,6 +53,7 @@ class Choice:
     finish: str | None = None
     t_first: float | None = None
     t_last: float | None = None
+    cached_tokens: int = 0             # prompt tokens the engine's prefix cache supplied (its events say)
     # accumulated (non-stream)
     text: list = dataclasses.field(default_factory=list)
     reasoning: list = dataclasses.field(default_factory=list)

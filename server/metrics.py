@@ -1,10 +1,13 @@
 """Prometheus metrics of one server (one registry per app, so several apps in one process —
 tests — never collide). Slot and queue gauges are read from `engine.stats()` at scrape time, and so
-are, on an engine that speculates, the acceptance rate and mean accepted length."""
+are, on an engine that speculates, the acceptance rate and mean accepted length, and on an engine with a
+prefix cache (runtime/prefix_cache.py) its counters: onegraph_prefix_cache_queried_tokens_total,
+_hit_tokens_total, _evictions_total, and its gauges _entries, _bytes, _budget_bytes."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
@@ -44,6 +47,9 @@ class Metrics:
             Gauge("onegraph_spec_draft_tokens", "speculative decoding: drafts per round (export "
                   "--speculative-tokens)", registry=r).set_function(spec("tokens"))
 
+        if getattr(engine, "cache", None) is not None:
+            r.register(_PrefixCacheCollector(engine))
+
     def observe_generation(self, prompt_tokens: int, tokens: int, t_start: float, t_first: float | None,
                            t_last: float | None, finish_reason: str):
         self.prompt_tokens.inc(prompt_tokens)
@@ -57,3 +63,23 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PrefixCacheCollector:
+    """The prefix cache's counters since the engine started (Engine.stats()["prefix_cache"]), read at scrape."""
+
+    COUNTERS = (("queried_tokens", "prompt tokens looked up in the prefix cache"),
+                ("hit_tokens", "prompt tokens the prefix cache supplied (not prefilled)"),
+                ("evictions", "prefix cache blocks evicted (LRU) to store others"))
+    GAUGES = (("entries", "prefix cache blocks held"), ("bytes", "bytes of the prefix cache blocks held"),
+              ("budget_bytes", "bytes of the prefix cache's pool"))
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        st = self.engine.stats()["prefix_cache"]
+        for key, doc in self.COUNTERS:
+            yield CounterMetricFamily(f"onegraph_prefix_cache_{key}", doc, value=st[key])
+        for key, doc in self.GAUGES:
+            yield GaugeMetricFamily(f"onegraph_prefix_cache_{key}", doc, value=st[key])

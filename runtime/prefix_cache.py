@@ -1,0 +1,251 @@
+"""PrefixCache: reuse a prompt prefix's attention KV rows and GDN state across requests, exactly.
+
+A GDN layer's state cannot be rewound, so the cache keeps snapshots taken at block boundaries. A block is
+the artifact's largest prefill chunk C: GraphExecutor.chunk_tokens feeds every chunk but a prompt's last one
+C tokens, so each non-last chunk ends on a block boundary and its end is a snapshot point of the prefill that
+already runs (no extra pass); and a prefill resumed at a multiple of C runs the very chunk partition the
+uncached prefill runs, so a hit is bit-identical to a miss (same logits, same sampled tokens: sampling
+depends on the seed and the position only).
+
+Block k of a prompt (tokens [kC, (k+1)C)) is keyed by a sha256 chain: key_k = sha256(key_{k-1} || ids of
+block k), key_{-1} = the scope (the artifact's identity, dtype, backend, device: anything that changes the
+numbers). Its entry holds
+    - per attention KV tensor [S+1, KVH, Tmax, D]: the rows [kC, (k+1)C) of the slot  -> [KVH, C, D];
+    - per GDN conv [S+1, Ch, W-1] and recurrent [S+1, HV, K, V] tensor: the slot's state after token
+      (k+1)C - 1 (the whole slot row).
+So the KV rows of a prefix are shared along the chain (each entry stores its own block's rows once) and a
+hit of k blocks needs the entries of blocks 0..k-1 (it copies every chain entry's KV rows and the last
+one's GDN state).
+
+Memory: one pool per state tensor, [N, ...] for N = budget // bytes_per_block blocks, allocated and zeroed once
+when the cache is made (a budget that does not fit is refused there; zeroed, so a CPU host commits its pages
+then, not as blocks are stored), so storing never allocates: no out-of-memory error mid-request. A block that finds no free pool row and nothing evictable is not stored. Eviction is LRU
+over leaves (an entry no other entry extends) that no request pins: a request pins the chain it matched
+and the blocks it stored until its prefill ends, so a chain it extends stays whole.
+
+All copies are tensor ops on the device (one per state tensor per block stored, one per state tensor per
+hit), run on the engine thread between graph calls; the host does per-block bookkeeping only.
+
+What it refuses (`unsupported`): state tensors of speculative decoding (the MTP head's KV, spec.y, spec.pos)
+and tensor parallel (each rank owns its state; the copies would have to run on every rank).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import math
+
+import torch
+
+# a default budget: this fraction of the memory free after the weights, the slots and the workspace, at most
+# the blocks of DEFAULT_PROMPTS prompts of max_seq_len tokens (a small model on a large host stays small)
+DEFAULT_FRACTION = 0.1
+DEFAULT_PROMPTS = 64
+
+
+def state_kind(meta: dict) -> str:
+    """The kind of one state tensor of the manifest ({name, shape, dtype[, kind]}): "kv" (attention KV cache
+    [S, KVH, Tmax, D]), "conv" (GDN conv [S, C, W-1]), "recurrent" (GDN [S, HV, K, V]) or "spec" (the MTP
+    head's state). The one place that reads it: a typed `kind`, where the manifest has one, else the name."""
+    if "kind" in meta:
+        return meta["kind"]
+    name = meta["name"]
+    if name.startswith(("mtp", "spec.")):
+        return "spec"
+    if name.endswith("_cache"):
+        return "kv"
+    if name.endswith(".conv"):
+        return "conv"
+    if name.endswith(".rec"):
+        return "recurrent"
+    raise ValueError(f"state tensor {name!r}: unknown kind (runtime/prefix_cache.py state_kind)")
+
+
+def unsupported(state_meta: list, tp: int) -> str | None:
+    """Why the prefix cache cannot run on this state layout (one line), or None."""
+    if tp > 1:
+        return f"the prefix cache runs at tp=1 (this artifact is tp={tp}: each rank owns its state)"
+    if any(state_kind(t) == "spec" for t in state_meta):
+        return ("the prefix cache does not hold the MTP head's state (speculative decoding): serve this "
+                "artifact with --no-prefix-cache")
+    return None
+
+
+def block_bytes(state_meta: list, block_tokens: int) -> int:
+    """Bytes of one cached block: C KV rows of each attention KV tensor + each GDN tensor's slot row."""
+    from onegraph.graphs.signature import torch_dtype
+    n = 0
+    for t in state_meta:
+        per_slot = math.prod(t["shape"][1:]) * torch_dtype(t["dtype"]).itemsize
+        n += per_slot * block_tokens // t["shape"][2] if state_kind(t) == "kv" else per_slot
+    return n
+
+
+@dataclasses.dataclass(eq=False)
+class Entry:
+    key: bytes
+    parent: "Entry | None"
+    row: int                      # the pool row holding it
+    blocks: int                   # its depth: the prefix it ends is blocks x C tokens
+    children: int = 0
+    pins: int = 0
+
+
+class PrefixCache:
+    def __init__(self, state: list[torch.Tensor], state_meta: list, block_tokens: int, budget_bytes: int,
+                 scope: str):
+        """state: the executor's state tensors (in state_meta's order); block_tokens: C, the largest prefill
+        chunk; budget_bytes: the pools' size (rounded down to whole blocks; < one block: ValueError)."""
+        why = unsupported(state_meta, 1)
+        if why:
+            raise ValueError(why)
+        self.C, self.state = block_tokens, state
+        self.kinds = [state_kind(t) for t in state_meta]
+        self.block_bytes = block_bytes(state_meta, block_tokens)
+        self.capacity = budget_bytes // self.block_bytes
+        if self.capacity < 1:
+            raise ValueError(f"a prefix cache budget of {budget_bytes} bytes holds no block "
+                             f"({self.block_bytes} bytes per block of {block_tokens} tokens)")
+        # pools: [N, KVH, C, D] per KV tensor, [N, ...] per GDN tensor; only rows a block wrote are ever read
+        self.pools = [torch.zeros((self.capacity, t.shape[1], block_tokens, *t.shape[3:]) if k == "kv"
+                                  else (self.capacity, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                      for t, k in zip(state, self.kinds)]
+        self.free_rows = list(range(self.capacity))
+        self.entries: collections.OrderedDict[bytes, Entry] = collections.OrderedDict()   # LRU first
+        self.root = hashlib.sha256(scope.encode()).digest()
+        self.counters = collections.Counter()
+
+    # ---- keys ----
+    def keys(self, prompt: list[int], blocks: int, parent: bytes | None = None, first: int = 0) -> list[bytes]:
+        """The chain keys of the prompt's blocks [first, blocks), block `first` extending `parent` (default:
+        the scope, for first = 0): each key_k = sha256(key_{k-1} || block k's ids as int64)."""
+        out, k = [], self.root if parent is None else parent
+        ids = torch.tensor(prompt[first * self.C:blocks * self.C], dtype=torch.int64).numpy().tobytes()
+        step = self.C * 8
+        for b in range(blocks - first):
+            k = hashlib.sha256(k + ids[b * step:(b + 1) * step]).digest()
+            out.append(k)
+        return out
+
+    # ---- a request's prefill ----
+    def lookup(self, prompt: list[int], slot: int, chain: list[Entry]) -> int:
+        """The longest cached prefix of whole blocks that leaves at least one prompt token to prefill (the last
+        chunk samples the first token): its KV rows and GDN state are copied into `slot` -> P, its tokens; its
+        entries are appended to `chain` (the request's, empty), pinned: release() it when the prefill ends."""
+        blocks = (len(prompt) - 1) // self.C
+        for key in self.keys(prompt, blocks):
+            e = self.entries.get(key)
+            if e is None:
+                break
+            chain.append(e)
+        self.counters["queried_tokens"] += len(prompt)
+        if not chain:
+            return 0
+        for e in reversed(chain):                  # a parent stays more recent than its children
+            e.pins += 1
+            self.entries.move_to_end(e.key)
+        rows = torch.tensor([e.row for e in chain], dtype=torch.int64, device=self.pools[0].device)
+        n, P = len(chain), len(chain) * self.C
+        for t, pool, kind in zip(self.state, self.pools, self.kinds):
+            if kind == "kv":                       # [n, KVH, C, D] -> the slot's rows [0, P) as [KVH, n, C, D]
+                t[slot, :, :P].view(t.shape[1], n, self.C, *t.shape[3:]).copy_(
+                    pool.index_select(0, rows).transpose(0, 1))
+            else:                                  # the state after token P - 1
+                t[slot].copy_(pool[chain[-1].row])
+        self.counters["hit_tokens"] += P
+        self.counters["hits"] += 1
+        return P
+
+    def store(self, prompt: list[int], done: int, slot: int, chain: list[Entry]) -> None:
+        """After a prefill chunk that ended at `done` tokens (a multiple of C) in `slot`: store the block that
+        ends there, unless it is cached already (then it is pinned), the chain before it is not (a block left
+        unstored ends its prompt's chain), or no pool row is free or evictable. `chain`: the request's pinned
+        entries, extended here."""
+        b = done // self.C - 1
+        if done % self.C or len(chain) != b:
+            return
+        key = self.keys(prompt, b + 1, chain[-1].key if chain else None, b)[0]   # one block's hash
+        e = self.entries.get(key)
+        if e is None:
+            row = self._row()
+            if row is None:
+                self.counters["store_skipped"] += 1
+                return
+            parent = chain[-1] if chain else None
+            e = self.entries[key] = Entry(key, parent, row, b + 1)
+            if parent is not None:
+                parent.children += 1
+            # one foreach call for every state tensor (a copy_ each costs more host time than its bytes here)
+            torch._foreach_copy_([pool[row] for pool in self.pools],
+                                 [t[slot, :, done - self.C:done] if k == "kv" else t[slot]
+                                  for t, k in zip(self.state, self.kinds)])
+            self.counters["stored_blocks"] += 1
+        else:
+            self.entries.move_to_end(key)
+        e.pins += 1
+        chain.append(e)
+
+    def release(self, chain: list[Entry]) -> None:
+        """Unpin a request's chain (its prefill ended or it was cancelled)."""
+        for e in chain:
+            e.pins -= 1
+        chain.clear()
+
+    def _row(self) -> int | None:
+        """A free pool row, evicting the least recently used unpinned leaf if none is free."""
+        if self.free_rows:
+            return self.free_rows.pop()
+        victim = next((e for e in self.entries.values() if not e.pins and not e.children), None)
+        if victim is None:
+            return None
+        del self.entries[victim.key]
+        if victim.parent is not None:
+            victim.parent.children -= 1
+        self.counters["evictions"] += 1
+        return victim.row
+
+    def stats(self) -> dict:
+        """Prompt tokens queried and hit, entries, bytes held and evictions since the cache was made."""
+        return {"block_tokens": self.C, "block_bytes": self.block_bytes, "capacity_blocks": self.capacity,
+                "budget_bytes": self.capacity * self.block_bytes, "entries": len(self.entries),
+                "bytes": len(self.entries) * self.block_bytes, "queried_tokens": self.counters["queried_tokens"],
+                "hit_tokens": self.counters["hit_tokens"], "hits": self.counters["hits"],
+                "stored_blocks": self.counters["stored_blocks"], "store_skipped": self.counters["store_skipped"],
+                "evictions": self.counters["evictions"]}
+
+
+def budget(art, max_slots: int, requested: int | None, free_memory: int | None = None) -> int:
+    """The pool bytes of an engine over `art` (an Artifact) with max_slots slots, checked before anything loads:
+    `requested` bytes, or None for DEFAULT_FRACTION of the memory free after the weights, the slots and the
+    workspace (runtime/memory.py; `free_memory`: the free bytes to assume), at most DEFAULT_PROMPTS prompts of
+    max_seq_len tokens, and 0 where that default holds no block.
+    A request that is negative, holds no block or is larger than that room, or a layout the cache does not hold
+    (`unsupported`), is a ValueError of one line."""
+    from .memory import DoesNotFit, free_bytes, needed_bytes, size
+    why = unsupported(art.state, art.tp)
+    if why:
+        raise ValueError(why)
+    if requested is not None and requested < 0:
+        raise ValueError(f"the prefix cache budget must be >= 0 bytes, got {requested}")
+    free = free_bytes(art.device) if free_memory is None else free_memory
+    room = max(0, free - needed_bytes(art.path, art.manifest, max_slots, art.device.type, art.rank)["total"])
+    C = max(g["bucket"] for g in art.graphs.values() if g["kind"] == "prefill")
+    per = block_bytes(art.state, C)
+    if requested is None:
+        default = min(int(room * DEFAULT_FRACTION), DEFAULT_PROMPTS * -(-art.max_seq_len // C) * per)
+        return default if default >= per else 0
+    if requested < per:
+        raise ValueError(f"a prefix cache of {requested} bytes holds no block ({per} bytes per block)")
+    if requested > room:
+        raise DoesNotFit(f"a prefix cache of {size(requested)} does not fit: {size(room)} is free on "
+                         f"{art.device.type} after the weights, {max_slots} slots and the workspace")
+    return requested
+
+
+def for_executor(ex, budget_bytes: int) -> PrefixCache:
+    """A cache over an artifact executor's state: blocks of its largest prefill chunk, scoped by the artifact's
+    manifest hash (graphs, weights, dtype, options), its backend and device."""
+    art = ex.artifact
+    scope = f"{art.manifest.get('manifest_sha256')}|{art.backend}|{ex.device}"
+    return PrefixCache(ex.state, art.state, ex.prefill_buckets[-1], budget_bytes, scope)
