@@ -99,10 +99,11 @@ def parse_buckets(text: str, flag: str) -> tuple[int, ...]:
 
 def spec_tokens(k: int | None) -> int:
     """--speculative-tokens: absent -> 0 (no speculative graphs); given, it must be in 1..4."""
-    from onegraph.graphs.spec import MAX_SPECULATIVE_TOKENS
-    if k is not None and not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-        raise UserError(f"--speculative-tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, got {k}")
-    return k or 0
+    from onegraph.graphs.spec import check_k
+    try:
+        return 0 if k is None else check_k(k, "--speculative-tokens")
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def cmd_export(args) -> int:
