@@ -110,10 +110,11 @@ def parse_buckets(text: str, flag: str) -> tuple[int, ...]:
 
 def spec_tokens(k: int | None) -> int:
     """--speculative-tokens: absent -> 0 (no speculative graphs); given, it must be in 1..4."""
-    from onegraph.graphs.spec import MAX_SPECULATIVE_TOKENS
-    if k is not None and not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-        raise UserError(f"--speculative-tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, got {k}")
-    return k or 0
+    from onegraph.graphs.spec import check_k
+    try:
+        return 0 if k is None else check_k(k, "--speculative-tokens")
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def draft_vocab_size(n: int | None) -> int:
@@ -520,7 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "you compare with it, TP-1 included)")
     from onegraph.checkpoint.quant import QUANT_CHOICES
     p.add_argument("--quant", default="auto", choices=("auto", *QUANT_CHOICES),
-                   help="dense projections' weights in the artifact (README Quantization): auto (default: as the "
+                   help="dense projections' weights in the artifact (docs/export.md, Quantization): auto (default: as the "
                         "checkpoint), none (--dtype; a quantized checkpoint is dequantized), fp8 (e4m3, 128x128 "
                         "block scales, weight-only), int8 (W8A8: per-channel int8 weights, int8 activations per "
                         "token) or fp8-channel (W8A8 e4m3, per-channel / per-token): a float checkpoint is "
@@ -541,7 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", default="copy", choices=["copy", "reference"],
                    help="copy (default): the graph weights in the artifact's weights.safetensors; reference: the "
                         "artifact records the checkpoint's files (absolute path, size, sha256) and the recipe, and "
-                        "makes the weights from them at every load after verifying each file (README Layout)")
+                        "makes the weights from them at every load after verifying each file (docs/export.md)")
     add_allow_unused_arg(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--force", action="store_true", help="replace an existing artifact at --out")

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import torch
 
-TINY_DRAFT_VOCAB = Path(__file__).resolve().parent.parent / "models" / "qwen3_5" / "tiny_weights" / "draft_vocab.json"
+from onegraph.models.qwen3_5.tiny import TINY_WEIGHTS
+
+TINY_DRAFT_VOCAB = TINY_WEIGHTS.parent / "draft_vocab.json"
 
 
 def tokenizer_sha256(model_path: Path) -> str:

@@ -52,14 +52,13 @@ import torch
 
 from onegraph.checkpoint.experts import group_experts
 from onegraph.custom_ops.linear_fp8 import dequantize_blocks as dequantize  # the op reference's own rule
-from onegraph.custom_ops.linear_fp8 import expand_scale
+from onegraph.custom_ops.linear_fp8 import BLOCK, expand_scale  # the op's block size
 
 log = logging.getLogger("onegraph.quant")
 
 METHOD = "fp8"                                 # quantization_config.quant_method, ExportOptions.quant
 INT8, FP8_CHANNEL = "int8", "fp8-channel"      # the per-channel W8A8 schemes
 QUANT_CHOICES = ("none", METHOD, INT8, FP8_CHANNEL)
-BLOCK = 128
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max                 # 448
 SCALE = "weight_scale_inv"

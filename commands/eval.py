@@ -25,7 +25,9 @@ from pathlib import Path
 
 import torch
 
-HELDOUT_TEXT = Path(__file__).resolve().parent.parent / "models" / "qwen3_5" / "tiny_weights" / "heldout.txt"
+from onegraph.models.qwen3_5.tiny import TINY_WEIGHTS
+
+HELDOUT_TEXT = TINY_WEIGHTS.parent / "heldout.txt"
 DEFAULT_CTX = 256
 EAGER_BATCH = 64
 

@@ -116,9 +116,8 @@ class ExportOptions:
             raise ValueError("--fp8-lm-head needs --backend aoti and --tp 1 (quantized weights are neither lowered to "
                              "ONNX nor sharded yet)")
         if self.speculative_tokens:
-            from onegraph.graphs.spec import MAX_SPECULATIVE_TOKENS as kmax
-            if not 1 <= self.speculative_tokens <= kmax:
-                raise ValueError(f"--speculative-tokens must be in 1..{kmax}, got {self.speculative_tokens}")
+            from onegraph.graphs.spec import check_k
+            check_k(self.speculative_tokens, "--speculative-tokens")
             if self.backend != "aoti" or self.tp > 1:
                 raise ValueError("--speculative-tokens needs --backend aoti and --tp 1 (the MTP head is not sharded)")
         if (self.draft_vocab or self.draft_vocab_file) and not self.speculative_tokens:

@@ -51,9 +51,11 @@ from onegraph.models.state import StateTensor
 MAX_SPECULATIVE_TOKENS = 4
 
 
-def check_k(k: int) -> int:
+def check_k(k: int, name: str = "speculative tokens") -> int:
+    """The one rule for K, the draft tokens of a speculative round (export options, the CLI, the graphs);
+    ValueError names the option as `name`."""
     if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-        raise ValueError(f"speculative tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+        raise ValueError(f"{name} must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
     return k
 
 

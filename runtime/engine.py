@@ -70,7 +70,7 @@ class Event:
 
 @dataclasses.dataclass
 class Result:
-    """generate()'s answer: the generated ids (prompt excluded), why it stopped, timings (README: JSON output)."""
+    """generate()'s answer: the generated ids (prompt excluded), why it stopped, timings (docs/export.md: JSON output)."""
     token_ids: list[int]
     finish_reason: str
     timings: dict
@@ -270,7 +270,7 @@ class Engine:
         return Result(out, fin[0], self.timings((time.perf_counter() - t0) * 1e3), spec, max(0, req.cached_tokens))
 
     def timings(self, total_ms: float) -> dict:
-        """Timing fields with their unit in the name (README: JSON output): total_ms of the request,
+        """Timing fields with their unit in the name (docs/export.md: JSON output): total_ms of the request,
         prefill_us summed over the engine's prefills so far, each decode phase in µs per decode step."""
         with self.cv:
             steps = self.counters["decode_steps"]

@@ -48,13 +48,14 @@ from onegraph.custom_ops.gdn_prefill import reference_gdn_prefill
 from onegraph.custom_ops.rms_norm import reference_rms_norm
 from onegraph.custom_ops.rope import reference_rope
 from onegraph.models.qwen3_5.model import GDN_CHUNK
+from onegraph.models.qwen3_5.tiny import TINY_WEIGHTS
 
 MTP_WEIGHT = 0.3          # DeepSeek-V3's MTP loss weight early in training
 AUX_WEIGHT = 0.01         # Switch Transformer's load-balancing coefficient
 # site-packages is not the stdlib; the test suites, the codec tables (encodings/) and the help text held in
 # one string (pydoc_data/) are mostly data, not code (the tables are 12 % of the bytes, aligned whitespace)
 EXCLUDED_DIRS = ("site-packages", "test", "tests", "idle_test", "encodings", "pydoc_data")
-WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "models" / "qwen3_5" / "tiny_weights"
+WEIGHTS_DIR = TINY_WEIGHTS.parent
 HELDOUT_LIST = WEIGHTS_DIR / "heldout_files.txt"
 HELDOUT_SLICE = 512       # bytes per held-out file in the bundled evaluation text
 

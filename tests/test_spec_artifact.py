@@ -232,7 +232,7 @@ def test_refusals(tmp_path, tiny_artifact):
     from onegraph.runtime import Engine
     for k in (0, 5):
         assert main(["export", "tiny", "--out", str(tmp_path / "x"), "--speculative-tokens", str(k)]) == 2
-    with pytest.raises(ValueError, match=r"--speculative-tokens must be in 1\.\.4, got 5"):
+    with pytest.raises(ValueError, match=r"--speculative-tokens must be an integer in 1\.\.4, got 5"):
         export("tiny", tmp_path / "x", ExportOptions(speculative_tokens=5), progress=False)
     with pytest.raises(ValueError, match="--speculative-tokens needs --backend aoti"):
         export("tiny", tmp_path / "x", ExportOptions(speculative_tokens=2, backend="onnx"), progress=False)

@@ -30,9 +30,7 @@ from torch.library import triton_op
 from .. import _registry
 from ..linear_fp8 import BLOCK, _validate
 from ._common import INTERPRETED, launch, mma, to_dt
-from .linear import _h_tile, _normed_row
-
-GEMV_MAX_M = 16
+from .linear import GEMV_MAX_M, _h_tile, _normed_row
 
 
 @triton.jit

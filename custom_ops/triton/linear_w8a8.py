@@ -34,8 +34,7 @@ from .. import _registry
 from ..linear_w8a8_fp8 import _validate as _validate_fp8
 from ..linear_w8a8_int8 import _validate as _validate_int8
 from ._common import launch, to_dt
-
-GEMV_MAX_M = 16
+from .linear import GEMV_MAX_M      # the GEMV / dot split: one rule for the projection kernels
 
 
 @triton.jit
