@@ -72,7 +72,7 @@ class ExportOptions:
                                                # resolved before export) | none (model dtype) | fp8 | int8 | fp8-channel
     speculative_tokens: int = 0                # > 0: MTP draft + verify graphs of k drafts (graphs/spec_graphs.py)
     draft_vocab: int = 0                       # > 0: the head drafts over that many ids (graphs/spec.py prune_draft_vocab)
-    draft_vocab_file: str | None = None        # their ranking (commands/draft_vocab.py); None: tiny's builtin one
+    draft_vocab_file: str | None = None        # their ranking (checkpoint/draft_vocab.py); None: tiny's builtin one
     fp8_lm_head: bool = False                  # the output projection as block FP8 too (checkpoint/quant.py quantize_lm_head)
     weights: str = "copy"                      # copy: weights.safetensors in the artifact | reference: the checkpoint's
                                                # files by path + sha256, made into the weights at load (checkpoint/recipe.py)
@@ -205,8 +205,8 @@ def export(model_spec: str, out_dir: str | Path, opts: ExportOptions, progress: 
     if opts.speculative_tokens and "MTP" not in tensors.skipped:
         raise ValueError(f"--speculative-tokens needs a checkpoint with an MTP head (mtp.* weights): "
                          f"{model_spec} has none")
-    if opts.draft_vocab:                                # its file and ids checked before anything is loaded
-        draft_ids(model_spec, opts.draft_vocab, cfg.vocab_size, opts.draft_vocab_file)
+    # the draft vocabulary's file and ids, checked before anything is loaded
+    draft = draft_ids(model_spec, opts.draft_vocab, cfg.vocab_size, opts.draft_vocab_file) if opts.draft_vocab else None
     family(cfg).check_divisible(cfg, opts.tp)
     if jobs is not None and jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
@@ -214,7 +214,7 @@ def export(model_spec: str, out_dir: str | Path, opts: ExportOptions, progress: 
     check_target(out, force)                            # a foreign directory; an artifact without force
     with interruptible(), staging(out) as stage:
         s = _build(model_spec, stage, opts, progress, GraphCache(cache_dir) if cache_dir else None, jobs,
-                   on_lower_start)
+                   on_lower_start, draft)
         load_manifest(stage, opts.device)               # every file's hash, before it becomes --out
         publish(stage, out, force)
     return dict(s, out=str(out_dir), total_s=round(time.time() - t0, 1))
@@ -226,7 +226,8 @@ def lowering_order(specs: list[tuple[str, int]]) -> list[tuple[str, int]]:
 
 
 def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: GraphCache | None,
-           jobs: int | None, on_lower_start) -> dict:
+           jobs: int | None, on_lower_start, draft: torch.Tensor | None = None) -> dict:
+    """draft: the pruned draft vocabulary's ids [N] (export() checked them), None: the whole vocabulary."""
     from safetensors.torch import save_file
 
     from .aoti import inductor_configs, lower_aoti
@@ -245,7 +246,6 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
     # the options that decide the weights: a referencing artifact records them and the runtime repeats this path
     recipe = recipe_of(opts.dtype, opts.quant, opts.fp32_reduce, opts.allow_unused_weights, k > 0, tp, opts.fp8_lm_head)
     cfg, model, src = load_tp1(model_spec, recipe, dev)
-    draft = draft_ids(model_spec, opts.draft_vocab, cfg.vocab_size, opts.draft_vocab_file) if opts.draft_vocab else None
     if draft is not None:
         prune_draft_vocab(model, draft)
     ranks = shard(model, opts)

@@ -94,6 +94,19 @@ def sweep(tiles, call, row: dict) -> dict:
     return per
 
 
+def record(rows: list, row: dict, per: dict, nbytes: int, bw: float,
+           names=("tiles_us", "best_tile", "best_us", "best_bw")):
+    """Row gets every tile's µs (sorted) and the best tile, its µs and its fraction of copy bandwidth under
+    `names`; appended to rows and printed without the per-tile times."""
+    times, best_k, us_k, bw_k = names
+    best = min(per, key=per.get)
+    row[times] = {",".join(map(str, c)): round(u, 2) for c, u in sorted(per.items(), key=lambda cu: cu[1])}
+    row[best_k], row[us_k] = list(best), round(per[best], 2)
+    row[bw_k] = round(nbytes / (per[best] * 1e-6) / bw, 3)
+    rows.append(row)
+    print(json.dumps({k: v for k, v in row.items() if k != times}), flush=True)
+
+
 NORM_SHAPES = [("gdn_in_proj", 12352, 2048, 30), ("attn_qkv", 9216, 2048, 10), ("router", 257, 2048, 40)]
 # (BN, warps) with at most 64 weights a thread at K = 2048 (BN <= warps): more spills
 NORM_ROW_TILES = [(bn, w) for bn, w in itertools.product((1, 2, 4, 8), (2, 4, 8)) if bn <= w]
@@ -122,13 +135,8 @@ def bench_norm(args, dev, bw) -> dict:
             ws, x, args.reps), row)
         for t, us in per.items():
             totals[t] = totals.get(t, 0.0) + us * uses
-        row["regs_us"] = {f"{bn},{w}": round(u, 2) for (bn, w), u in sorted(per.items(), key=lambda kv: kv[1])}
-        best = min(per, key=per.get)
-        row["regs_best"], row["regs_best_us"] = list(best), round(per[best], 2)
-        row["regs_best_bw"] = round(2 * N * K / (per[best] * 1e-6) / bw, 3)
         row["regs_current"] = list(lin.NORM_ROW_TILE)
-        rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "regs_us"}), flush=True)
+        record(rows, row, per, 2 * N * K, bw, ("regs_us", "regs_best", "regs_best_us", "regs_best_bw"))
         del ws
         torch.cuda.empty_cache()
     best = min(totals, key=totals.get)
@@ -157,12 +165,7 @@ def bench_fp8_norm(args, dev, bw) -> dict:
             lambda a, w: lin8.matmul(a, w, scale, t, norm=(res, nw, 1e-6)), ws, x, args.reps), row)
         for t, us in per.items():
             totals[t] = totals.get(t, 0.0) + us * uses
-        best = min(per, key=per.get)
-        row["tiles_us"] = {",".join(map(str, c)): round(u, 2) for c, u in sorted(per.items(), key=lambda cu: cu[1])}
-        row["best_tile"], row["best_us"] = list(best), round(per[best], 2)
-        row["best_bw"] = round(N * K / (per[best] * 1e-6) / bw, 3)
-        rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "tiles_us"}), flush=True)
+        record(rows, row, per, N * K, bw)
         del ws
         torch.cuda.empty_cache()
     best = min(totals, key=totals.get)
