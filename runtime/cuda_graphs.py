@@ -86,13 +86,17 @@ class CapturedDecode:
          previous step stay on the device), the lowered decode, last_tok[slots] = ids, ids -> pinned
          host buffer and an event recorded after it (the engine reads both one step late).
 
+    spec=True captures a speculative round (`spec_b{B}`, graphs/spec_graphs.py) the same way: no positions
+    input (the round keeps them on the device), last_tok[slots] = its next_ids, and the host copy is each
+    row's [n_accepted, targets...] [B, 1+K+1], the form the engine reads a round in.
+
     Padding rows point at the scratch slot with zero inputs (greedy, top_p 1; last_tok[scratch] is
     zeroed after each step). Two pinned stagings alternate with two captured graphs, each of which also
     copies its ids to its own pinned host buffer: the engine has read (synchronised) step t-2 before it
     fills the staging of step t, so neither buffer being rewritten is still in use."""
 
     def __init__(self, run_with_stream, B: int, state: list[torch.Tensor], last_tok: torch.Tensor, scratch: int,
-                 device: torch.device, copy_in: bool = True):
+                 device: torch.device, copy_in: bool = True, spec: bool = False):
         self.B, self.copy_in, d = B, copy_in, device
         # two stagings alternate: the engine has read (synchronised) step t-2 before it fills step t's
         self.host = [Staging(B, scratch, pin=True) for _ in range(2)]
@@ -100,40 +104,46 @@ class CapturedDecode:
         self.dev = self.host[0].bytes.to(d)                # device copy of the staging; its rows are the inputs
         (self.slots, self.positions, self.top_k, self.seed), (self.temperature, self.top_p) = split(self.dev, B)
         self.tokens = torch.zeros(B, dtype=torch.int64, device=d)
-        inputs = [self.tokens, self.slots, self.positions, self.temperature, self.top_k, self.top_p, self.seed] + state
+        # a speculative round (spec=True) keeps its positions on the device (spec.pos): no positions input
+        positions = [] if spec else [self.positions]
+        inputs = [self.tokens, self.slots, *positions, self.temperature, self.top_k, self.top_p, self.seed] + state
 
         def body(stream):
+            """-> (what the host reads: decode ids [B] | a round's [n_accepted, targets] [B, 1+K+1],
+            the step's two outputs: (ids, logits) | (n_accepted [B], targets [B, K+1]))"""
             torch.index_select(last_tok, 0, self.slots, out=self.tokens)
             out = run_with_stream(inputs, stream_capsule(stream))
-            last_tok.index_copy_(0, self.slots, out[0])
+            last_tok.index_copy_(0, self.slots, out[0])     # decode ids | the round's next_ids
             last_tok[scratch].zero_()                 # padding rows keep feeding token 0, as uncaptured
-            return out
+            if spec:
+                return torch.cat([out[1][:, None], out[2]], 1), (out[1], out[2])
+            return out[0], (out[0], out[1])
 
         side = torch.cuda.Stream(device=d)
         side.wait_stream(torch.cuda.current_stream(d))
         with torch.cuda.stream(side):
             for _ in range(2):                        # warm-up (lazy init, autotune caches) on scratch rows
-                body(side)
+                host_shape = body(side)[0].shape
         side.synchronize()
         # two graphs, one per staging: each copies its own staging in, its sampled ids out into its own
         # pinned host buffer and records its own event (read by the engine one step late, while the
         # other graph runs), so a step launches no copy or event of its own. An external event is a
         # node of the graph: every replay records it. The graphs share one memory pool: they never
         # run at the same time.
-        self.host_ids = [torch.zeros(B, dtype=torch.int64).pin_memory() for _ in range(2)]
-        self.events = [torch.cuda.Event(external=True) for _ in range(2)]
+        self.host_ids = [torch.zeros(host_shape, dtype=torch.int64).pin_memory() for _ in range(2)]
         self.graphs, self.outs, pool = [], [], None
+        self.events = [torch.cuda.Event(external=True) for _ in range(2)]
         for k in range(2):
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, stream=side, pool=pool):
                 if copy_in:
                     self.dev.copy_(self.host[k].bytes, non_blocking=True)
-                out = body(side)
-                self.host_ids[k].copy_(out[0], non_blocking=True)
+                host_out, outs = body(side)
+                self.host_ids[k].copy_(host_out, non_blocking=True)
                 self.events[k].record(side)
             pool = g.pool()
             self.graphs.append(g)
-            self.outs.append((out[0], out[1]))
+            self.outs.append(outs)
         torch.cuda.current_stream(d).wait_stream(side)
 
     def step(self, slots: list[int], positions: list[int], sampling) -> tuple[torch.Tensor, torch.Tensor]:

@@ -514,7 +514,8 @@ class Engine:
             t0 = time.perf_counter()
             if self.spec:                          # one round per row: [n_accepted, targets] read one step late
                 rnd = self.ex.spec_round([r.slot for r in part], [r.sampling for r in part])
-                ids, host_ev, t1 = torch.cat([rnd.n_accepted[:, None], rnd.targets], 1), None, rnd.copied_at
+                host_ev, t1 = rnd.host_rows, rnd.copied_at      # captured: the graph copied its rows out
+                ids = None if host_ev else torch.cat([rnd.n_accepted[:, None], rnd.targets], 1)
             else:
                 step = self.ex.step([r.slot for r in part], [r.pos for r in part], [r.sampling for r in part])
                 ids, host_ev, t1 = step.ids, step.host_ids, step.copied_at

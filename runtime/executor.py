@@ -41,10 +41,12 @@ class DecodeStep:
 
 @dataclasses.dataclass
 class SpecRound:
-    """One speculative round: n_accepted [n] and targets [n, K+1] on the device, and when its inputs were in."""
+    """One speculative round: n_accepted [n] and targets [n, K+1] on the device, when its inputs were in, and
+    on the captured path the pinned host copy the round's graph made of them."""
     n_accepted: torch.Tensor
     targets: torch.Tensor
     copied_at: float
+    host_rows: tuple | None = None     # captured: (pinned [n, 1+K+1] rows [n_accepted, targets...], event)
 
 
 def capability_mismatch(name: str, meta: dict, capability: tuple[int, int], device_name: str) -> str | None:
@@ -122,6 +124,7 @@ class GraphExecutor:
         # prefill writes it, every decode step gathers its rows' tokens from it and scatters the new ids back
         self.last_tok = torch.zeros(max_slots + 1, dtype=torch.int64, device=device)
         self.captured: dict = {}                   # decode bucket -> CapturedDecode (CUDA graphs)
+        self.captured_spec: dict = {}              # spec bucket -> CapturedDecode(spec=True)
         self.staging: dict = {}                    # decode bucket -> Staging (uncaptured path)
         self.rank, self.link = 0, None             # tensor parallel: this rank, runtime/ranks.py StepBroadcast
         self.path = "eager"                        # reported at start-up and in stats()
@@ -228,9 +231,14 @@ class GraphExecutor:
         pair up across ranks), and replays the bytes rank 0 broadcast to a device buffer, so the graphs
         do not copy a host staging in."""
         from .cuda_graphs import CapturedDecode
-        self.captured = {g["bucket"]: CapturedDecode(runs[name].run_with_stream, g["bucket"], self.graph_state[name],
-                                                     self.last_tok, self.scratch, self.device, copy_in=copy_in)
-                         for name, g in self.meta.items() if g["kind"] == "decode"}
+
+        def capture(kind: str, **kw) -> dict:
+            return {g["bucket"]: CapturedDecode(runs[name].run_with_stream, g["bucket"], self.graph_state[name],
+                                                self.last_tok, self.scratch, self.device, **kw)
+                    for name, g in self.meta.items() if g["kind"] == kind}
+        self.captured = capture("decode", copy_in=copy_in)
+        # speculative rounds run at tp=1 only (spec_round refuses a link): captured there alone
+        self.captured_spec = capture("spec", spec=True) if copy_in else {}
         self.path += "+cudagraphs"
 
     @property
@@ -388,11 +396,15 @@ class GraphExecutor:
         B = next((b for b in self.spec_buckets if b >= n), None)
         if B is None:
             raise ValueError(f"{n} rows exceed the largest speculative bucket {self.spec_buckets[-1] if self.spec_buckets else None}")
+        if self.link is not None:
+            raise RuntimeError("speculative decoding runs at tp=1 (the MTP head is not sharded)")
+        if B in self.captured_spec:                # one replay: staging in, [n_accepted, targets] out
+            cap = self.captured_spec[B]
+            n_acc, targets = cap.replay(cap.stage(slots, [0] * n, sampling), n)
+            return SpecRound(n_acc, targets, cap.copied_at, cap.last_host_ids(n))
         pad = B - n
         rows = torch.tensor(list(slots) + [self.scratch] * pad, dtype=torch.int64).to(self.device)
         inputs = [self.last_tok.index_select(0, rows), rows] + self._sampling(sampling, B)
-        if self.link is not None:
-            raise RuntimeError("speculative decoding runs at tp=1 (the MTP head is not sharded)")
         copied_at = time.perf_counter()
         _, n_acc, targets, _ = self._run(f"spec_b{B}", inputs)
         self.last_tok[self.scratch] = 0            # padding rows keep feeding token 0
