@@ -298,3 +298,33 @@ def test_pool_copies_chain_keys_and_leaf_first_eviction():
     assert len(mine) == 1 and cache.stats()["evictions"] == 1
     assert [k in cache.entries for k in full] == [True, True, False]
     assert cache.lookup(p, 1, []) == 32
+
+
+def test_bench_prefix_cache_big_on_cpu(tmp_path, one_thread):
+    """scripts/bench_prefix_cache_big (the H200 35B figures) on the tiny shape, fp32, its traced prefill graph run
+    uncaptured: a 64-token prompt hits its 3 whole blocks (48 tokens) and a 40-token one its 2, the hit's
+    logits equal the miss's bit for bit, the cache holds every block the stored misses wrote and nothing was
+    skipped or evicted; a prompt with no whole block before its last token is refused in one line."""
+    import json
+    import subprocess
+    import sys
+
+    from onegraph.scripts.bench_prefix_cache_big import main
+    out = tmp_path / "big.json"
+    assert main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--lower", "export", "--prompts",
+                 "64,40", "--chunk", "16", "--max-seq-len", "128", "--reps", "2", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["layers"] == 4 and res["block_tokens"] == 16
+    rows = {r["prompt_tokens"]: r for r in res["prompts"]}
+    assert {n: (r["cached_tokens"], r["prefilled_after_hit"], r["chunks_miss"]) for n, r in rows.items()} == {
+        64: (48, 16, 4), 40: (32, 8, 3)}
+    for r in rows.values():
+        assert r["hit_ids_equal_miss"] and r["hit_logits_equal_miss"] and r["hit_vs_miss_max_logit_diff"] == 0
+        assert r["miss_logits_equal_repeat"] and r["ttft_hit_ms"] >= r["hit_copy_ms"] > 0
+    per = res["block_bytes"]
+    assert rows[64]["hit_copy_bytes"] > rows[40]["hit_copy_bytes"] > per        # more KV rows, one GDN snapshot
+    assert res["cache"]["stored_blocks"] == 2 * (4 + 2) and res["cache"]["hits"] == 4
+    assert res["cache"]["evictions"] == 0 and res["cache"]["store_skipped"] == 0
+    r = subprocess.run([sys.executable, "-m", "onegraph.scripts.bench_prefix_cache_big", "--prompts", "16",
+                        "--chunk", "16", "--out", str(tmp_path / "x.json")], capture_output=True, text=True)
+    assert r.returncode == 2 and "a whole block cached, one token left" in r.stderr and r.stderr.count("\n") == 1
