@@ -9,28 +9,39 @@ depends on the seed and the position only).
 
 Block k of a prompt (tokens [kC, (k+1)C)) is keyed by a sha256 chain: key_k = sha256(key_{k-1} || ids of
 block k), key_{-1} = the scope (the artifact's identity, dtype, backend, device: anything that changes the
-numbers). Its entry holds
+numbers). Its entry holds (a pool row of each state tensor)
     - per attention KV tensor [S+1, KVH, Tmax, D]: the rows [kC, (k+1)C) of the slot  -> [KVH, C, D];
-    - per GDN conv [S+1, Ch, W-1] and recurrent [S+1, HV, K, V] tensor: the slot's state after token
-      (k+1)C - 1 (the whole slot row).
+    - per GDN conv [S+1, Ch, W-1] and recurrent [S+1, HV, K, V] tensor, where the entry has a snapshot
+      (`state`): the slot's state after token (k+1)C - 1 (the whole slot row).
 So the KV rows of a prefix are shared along the chain (each entry stores its own block's rows once) and a
-hit of k blocks needs the entries of blocks 0..k-1 (it copies every chain entry's KV rows and the last
-one's GDN state).
+hit of k blocks needs the entries of blocks 0..k-1, the last with a snapshot (it copies every chain entry's
+KV rows and the last one's GDN state).
+
+Snapshots are taken only where a later hit can end, because they are most of a block's bytes (35B: 63 of
+74 MB) and a prefill with nothing to share must not pay one per block: at a prompt's last two block
+boundaries ((len - 1) // C and len // C blocks: the same prompt again, or one that extends it, as a next
+turn does), and at a block a lookup marked `wanted`: a prompt that matched cached blocks past their last
+snapshot (it diverges from a cached prompt after them) hits up to that snapshot, marks the deepest block it
+matched, and its own prefill snapshots that block on the way, so the prompts that share it next hit there.
+A shared system prompt thus costs one extra partial miss per divergence point.
 
 Memory: one pool per state tensor, [N, ...] for N = budget // bytes_per_block blocks, allocated and zeroed once
 when the cache is made (a budget that does not fit is refused there; zeroed, so a CPU host commits its pages
-then, not as blocks are stored), so storing never allocates: no out-of-memory error mid-request. A block that finds no free pool row and nothing evictable is not stored. Eviction is LRU
-over leaves (an entry no other entry extends) that no request pins: a request pins the chain it matched
-and the blocks it stored until its prefill ends, so a chain it extends stays whole.
+then, not as blocks are stored), so storing never allocates: no out-of-memory error mid-request. A block
+that finds no free pool row and nothing evictable is not stored. Eviction is LRU over leaves (an entry no
+other entry extends) that no request pins: a request pins the chain it matched and the blocks it stored
+until its prefill ends, so a chain it extends stays whole.
 
-All copies are tensor ops on the device (one per state tensor per block stored, one per state tensor per
-hit), run on the engine thread between graph calls; the host does per-block bookkeeping only.
+All copies are tensor ops on the device (one foreach call per block stored, one copy per state tensor per
+hit), run on the engine thread between graph calls over views made once; the host does per-block
+bookkeeping only.
 
 What it refuses (`unsupported`): state tensors of speculative decoding (the MTP head's KV, spec.y, spec.pos)
 and tensor parallel (each rank owns its state; the copies would have to run on every rank).
 """
 from __future__ import annotations
 
+import array
 import collections
 import dataclasses
 import hashlib
@@ -45,21 +56,10 @@ DEFAULT_PROMPTS = 64
 
 
 def state_kind(meta: dict) -> str:
-    """The kind of one state tensor of the manifest ({name, shape, dtype[, kind]}): "kv" (attention KV cache
+    """The kind of one state tensor of the manifest ({name, shape, dtype, kind}): "kv" (attention KV cache
     [S, KVH, Tmax, D]), "conv" (GDN conv [S, C, W-1]), "recurrent" (GDN [S, HV, K, V]) or "spec" (the MTP
-    head's state). The one place that reads it: a typed `kind`, where the manifest has one, else the name."""
-    if "kind" in meta:
-        return meta["kind"]
-    name = meta["name"]
-    if name.startswith(("mtp", "spec.")):
-        return "spec"
-    if name.endswith("_cache"):
-        return "kv"
-    if name.endswith(".conv"):
-        return "conv"
-    if name.endswith(".rec"):
-        return "recurrent"
-    raise ValueError(f"state tensor {name!r}: unknown kind (runtime/prefix_cache.py state_kind)")
+    head's state). Every manifest row carries it (runtime/artifact.py StateEntry refuses one without)."""
+    return meta["kind"]
 
 
 def unsupported(state_meta: list, tp: int) -> str | None:
@@ -90,6 +90,8 @@ class Entry:
     blocks: int                   # its depth: the prefix it ends is blocks x C tokens
     children: int = 0
     pins: int = 0
+    state: bool = False           # its row holds the GDN state after its last token (a hit may end here)
+    wanted: bool = False          # a lookup matched up to here and found no state: the next prefill snapshots it
 
 
 class PrefixCache:
@@ -112,6 +114,13 @@ class PrefixCache:
                                   else (self.capacity, *t.shape[1:]), dtype=t.dtype, device=t.device)
                       for t, k in zip(state, self.kinds)]
         self.free_rows = list(range(self.capacity))
+        # views made once and reused (a store's host time was mostly making views): pool row -> (its KV rows,
+        # its GDN rows), slot -> GDN rows, (slot, block) -> KV rows [KVH, C, D] (the last two as first used)
+        self.kv = [i for i, k in enumerate(self.kinds) if k == "kv"]
+        self.gdn = [i for i, k in enumerate(self.kinds) if k != "kv"]
+        self._dst = [([self.pools[i][r] for i in self.kv], [self.pools[i][r] for i in self.gdn])
+                     for r in range(self.capacity)]
+        self._src_gdn, self._src_kv = {}, {}
         self.entries: collections.OrderedDict[bytes, Entry] = collections.OrderedDict()   # LRU first
         self.root = hashlib.sha256(scope.encode()).digest()
         self.counters = collections.Counter()
@@ -121,7 +130,7 @@ class PrefixCache:
         """The chain keys of the prompt's blocks [first, blocks), block `first` extending `parent` (default:
         the scope, for first = 0): each key_k = sha256(key_{k-1} || block k's ids as int64)."""
         out, k = [], self.root if parent is None else parent
-        ids = torch.tensor(prompt[first * self.C:blocks * self.C], dtype=torch.int64).numpy().tobytes()
+        ids = array.array("q", prompt[first * self.C:blocks * self.C]).tobytes()     # int64, native order
         step = self.C * 8
         for b in range(blocks - first):
             k = hashlib.sha256(k + ids[b * step:(b + 1) * step]).digest()
@@ -130,23 +139,30 @@ class PrefixCache:
 
     # ---- a request's prefill ----
     def lookup(self, prompt: list[int], slot: int, chain: list[Entry]) -> int:
-        """The longest cached prefix of whole blocks that leaves at least one prompt token to prefill (the last
-        chunk samples the first token): its KV rows and GDN state are copied into `slot` -> P, its tokens; its
-        entries are appended to `chain` (the request's, empty), pinned: release() it when the prefill ends."""
+        """The longest cached prefix of whole blocks that ends on a GDN snapshot and leaves at least one prompt
+        token to prefill (the last chunk samples the first token): its KV rows and GDN state are copied into
+        `slot` -> P, its tokens; its entries are appended to `chain` (the request's, empty), pinned: release()
+        it when the prefill ends. Blocks matched past the last snapshot are not used; the deepest is marked
+        wanted, so this request's prefill snapshots it (the prompts that share it next hit there)."""
         blocks = (len(prompt) - 1) // self.C
+        matched = []
         for key in self.keys(prompt, blocks):
             e = self.entries.get(key)
             if e is None:
                 break
-            chain.append(e)
+            matched.append(e)
         self.counters["queried_tokens"] += len(prompt)
+        n = max((i + 1 for i, e in enumerate(matched) if e.state), default=0)
+        if len(matched) > n:
+            matched[-1].wanted = True
+        chain.extend(matched[:n])
         if not chain:
             return 0
         for e in reversed(chain):                  # a parent stays more recent than its children
             e.pins += 1
             self.entries.move_to_end(e.key)
         rows = torch.tensor([e.row for e in chain], dtype=torch.int64, device=self.pools[0].device)
-        n, P = len(chain), len(chain) * self.C
+        P = n * self.C
         for t, pool, kind in zip(self.state, self.pools, self.kinds):
             if kind == "kv":                       # [n, KVH, C, D] -> the slot's rows [0, P) as [KVH, n, C, D]
                 t[slot, :, :P].view(t.shape[1], n, self.C, *t.shape[3:]).copy_(
@@ -161,12 +177,17 @@ class PrefixCache:
         """After a prefill chunk that ended at `done` tokens (a multiple of C) in `slot`: store the block that
         ends there, unless it is cached already (then it is pinned), the chain before it is not (a block left
         unstored ends its prompt's chain), or no pool row is free or evictable. `chain`: the request's pinned
-        entries, extended here."""
+        entries, extended here.
+        Every stored block copies its C KV rows; the GDN state (most of a block's bytes) is copied only where a
+        later hit can end: the prompt's last two block boundaries (the same prompt again, or one that extends
+        it: a next turn) and a block a lookup marked wanted (prompts diverge after it). So a prefill with
+        nothing to share pays KV rows per block and one or two snapshots."""
         b = done // self.C - 1
         if done % self.C or len(chain) != b:
             return
         key = self.keys(prompt, b + 1, chain[-1].key if chain else None, b)[0]   # one block's hash
         e = self.entries.get(key)
+        snap = b + 1 >= (len(prompt) - 1) // self.C
         if e is None:
             row = self._row()
             if row is None:
@@ -176,15 +197,34 @@ class PrefixCache:
             e = self.entries[key] = Entry(key, parent, row, b + 1)
             if parent is not None:
                 parent.children += 1
-            # one foreach call for every state tensor (a copy_ each costs more host time than its bytes here)
-            torch._foreach_copy_([pool[row] for pool in self.pools],
-                                 [t[slot, :, done - self.C:done] if k == "kv" else t[slot]
-                                  for t, k in zip(self.state, self.kinds)])
             self.counters["stored_blocks"] += 1
+            kv = True
         else:
             self.entries.move_to_end(key)
+            snap, kv = (snap or e.wanted) and not e.state, False
+        if kv or snap:
+            dst_kv, dst_gdn = self._dst[e.row]
+            dst, src = (dst_kv, self._kv_views(slot, b)) if kv else ([], [])
+            if snap:
+                dst, src = dst + dst_gdn, src + self._gdn_views(slot)
+                e.state = True
+                self.counters["state_snapshots"] += 1
+            torch._foreach_copy_(dst, src)         # one call for every tensor copied (a copy_ each costs more)
         e.pins += 1
         chain.append(e)
+
+    def _kv_views(self, slot: int, b: int) -> list:
+        """The slot's KV rows of block b: [KVH, C, D] per KV tensor."""
+        v = self._src_kv.get((slot, b))
+        if v is None:
+            v = self._src_kv[slot, b] = [self.state[i][slot, :, b * self.C:(b + 1) * self.C] for i in self.kv]
+        return v
+
+    def _gdn_views(self, slot: int) -> list:
+        v = self._src_gdn.get(slot)
+        if v is None:
+            v = self._src_gdn[slot] = [self.state[i][slot] for i in self.gdn]
+        return v
 
     def release(self, chain: list[Entry]) -> None:
         """Unpin a request's chain (its prefill ended or it was cancelled)."""
@@ -200,6 +240,7 @@ class PrefixCache:
         if victim is None:
             return None
         del self.entries[victim.key]
+        victim.state = victim.wanted = False     # (its row's next entry starts without a snapshot)
         if victim.parent is not None:
             victim.parent.children -= 1
         self.counters["evictions"] += 1
@@ -211,7 +252,8 @@ class PrefixCache:
                 "budget_bytes": self.capacity * self.block_bytes, "entries": len(self.entries),
                 "bytes": len(self.entries) * self.block_bytes, "queried_tokens": self.counters["queried_tokens"],
                 "hit_tokens": self.counters["hit_tokens"], "hits": self.counters["hits"],
-                "stored_blocks": self.counters["stored_blocks"], "store_skipped": self.counters["store_skipped"],
+                "stored_blocks": self.counters["stored_blocks"],
+                "state_snapshots": self.counters["state_snapshots"], "store_skipped": self.counters["store_skipped"],
                 "evictions": self.counters["evictions"]}
 
 

@@ -56,13 +56,11 @@ def test_state_kinds_and_refusals(tiny_artifact):
     art = Artifact.load(tiny_artifact)
     kinds = [state_kind(t) for t in art.state]
     assert kinds.count("kv") == 2 and kinds.count("conv") == 3 and kinds.count("recurrent") == 3   # 1 attn, 3 GDN
-    assert state_kind({"name": "layer0.rec", "kind": "kv"}) == "kv"          # a typed kind wins over the name
-    assert state_kind({"name": "mtp0.k_cache"}) == "spec" and state_kind({"name": "spec.pos"}) == "spec"
-    with pytest.raises(ValueError, match="unknown kind"):
-        state_kind({"name": "layer0.mystery"})
+    assert state_kind({"name": "layer0.rec", "kind": "kv"}) == "kv"          # the typed kind, never the name
     assert unsupported(art.state, 1) is None
     assert "tp=1" in unsupported(art.state, 2)
-    assert "MTP" in unsupported(art.state + [{"name": "spec.y", "shape": ["S", 8], "dtype": "float32"}], 1)
+    assert "MTP" in unsupported(art.state + [{"name": "spec.y", "shape": ["S", 8], "dtype": "float32",
+                                                     "kind": "spec"}], 1)
     # one block: 16 KV rows of the attention layer's k and v + the GDN layers' whole slot rows
     per_slot = sum(torch.zeros(t["shape"][1:]).numel() * (4 if t["dtype"] == "float32" else 2) for t in art.state)
     kv = sum(torch.zeros(t["shape"][1:]).numel() * 4 for t in art.state if state_kind(t) == "kv")
@@ -92,9 +90,11 @@ def test_prefix_ending_mid_block_reuses_whole_blocks_only(engines):
     off, on = engines
     a = ids(40, 2)
     cases = [(a, 0),                       # stores blocks [0, 16) and [16, 32)
-             (a[:24] + ids(20, 3), 16),    # shares 24 tokens: one whole block
+             (a[:24] + ids(20, 3), 0),     # shares 24 tokens: one whole block, without a GDN snapshot (a
+                                           # takes them at its last boundaries only): this one takes it
              (a, 32),                      # the same prompt: two blocks, token 32.. prefilled
-             (a[:32], 16),                 # a prompt of exactly two blocks: its last token is prefilled
+             (a[:32], 16),                 # a prompt of exactly two blocks: its last token is prefilled;
+                                           # block 0's snapshot is the one the second prompt took
              (a[:33], 32)]
     for prompt, cached in cases:
         # the seeded run follows the greedy one, which stored the prompt's own whole blocks
@@ -266,8 +266,8 @@ def test_bench_serve_shared_prefix_workload_on_and_off(engines, tmp_path, capsys
 
 def test_pool_copies_chain_keys_and_leaf_first_eviction():
     """No artifact: a KV tensor [S+1, 2, 64, 4] and a recurrent one [S+1, 2, 4, 4], blocks of 16, room for 3."""
-    meta = [{"name": "layer0.k_cache", "shape": ["S", 2, 64, 4], "dtype": "float32"},
-            {"name": "layer1.rec", "shape": ["S", 2, 4, 4], "dtype": "float32"}]
+    meta = [{"name": "layer0.k_cache", "shape": ["S", 2, 64, 4], "dtype": "float32", "kind": "kv"},
+            {"name": "layer1.rec", "shape": ["S", 2, 4, 4], "dtype": "float32", "kind": "recurrent"}]
     state = [torch.zeros(3, 2, 64, 4), torch.zeros(3, 2, 4, 4)]
     per = block_bytes(meta, 16)
     assert per == (2 * 16 * 4 + 2 * 4 * 4) * 4
@@ -297,4 +297,72 @@ def test_pool_copies_chain_keys_and_leaf_first_eviction():
     cache.store(other, 16, 2, mine)
     assert len(mine) == 1 and cache.stats()["evictions"] == 1
     assert [k in cache.entries for k in full] == [True, True, False]
-    assert cache.lookup(p, 1, []) == 32
+    # the 32-token block has its KV rows but no GDN snapshot (p took one at its last boundary only): no hit
+    assert cache.lookup(p, 1, []) == 0 and cache.entries[full[1]].wanted
+
+
+def test_snapshots_only_where_a_later_hit_can_end():
+    """No artifact: blocks of 16, a KV tensor [S+1, 2, 128, 4] and a recurrent one [S+1, 2, 4, 4]. A prompt
+    with nothing to share snapshots its GDN state at its last two block boundaries only; a prompt diverging
+    from it inside block 2 matches 2 blocks without a snapshot (no hit), and its prefill snapshots block 1,
+    so a third prompt of that prefix hits 32 tokens with the state of slot 0 after token 31."""
+    meta = [{"name": "layer0.k_cache", "shape": ["S", 2, 128, 4], "dtype": "float32", "kind": "kv"},
+            {"name": "layer1.rec", "shape": ["S", 2, 4, 4], "dtype": "float32", "kind": "recurrent"}]
+    state = [torch.zeros(3, 2, 128, 4), torch.zeros(3, 2, 4, 4)]
+    cache = PrefixCache(state, meta, 16, 20 * block_bytes(meta, 16), "scope")
+    state[0][0].normal_()
+
+    def prefill(prompt, start):
+        """Stores after each chunk as the engine does; the recurrent state of slot 0 is set to each
+        boundary's own value (its token count), so a snapshot says where it was taken."""
+        chain = []
+        for done in range(start + 16, len(prompt) + 1, 16):
+            state[1][0].fill_(done)
+            cache.store(prompt, done, 0, chain)
+        cache.release(chain)
+    p = list(range(80))                               # 5 whole blocks, the last ends the prompt
+    prefill(p, 0)
+    keys = cache.keys(p, 5)
+    assert [cache.entries[k].state for k in keys] == [False, False, False, True, True]   # 64 and 80 tokens
+    st = cache.stats()
+    assert st["stored_blocks"] == 5 and st["state_snapshots"] == 2
+    assert cache.lookup(p, 1, []) == 64 and float(state[1][1].max()) == 64.0   # the same prompt: 4 blocks
+    q = p[:40] + list(range(200, 240))                # diverges inside block 2: blocks 0 and 1 match
+    assert cache.lookup(q, 1, []) == 0 and cache.entries[keys[1]].wanted
+    prefill(q, 0)
+    assert cache.entries[keys[1]].state and not cache.entries[keys[0]].state
+    assert cache.stats()["state_snapshots"] == 2 + 1 + 2              # block 1, and q's own last two
+    r = p[:40] + list(range(300, 340))
+    state[1][1].zero_()
+    assert cache.lookup(r, 1, []) == 32 and float(state[1][1].min()) == 32.0
+    assert torch.equal(state[0][1, :, :32], state[0][0, :, :32])
+
+
+def test_bench_prefix_cache_big_on_cpu(tmp_path, one_thread):
+    """scripts/bench_prefix_cache_big (the H200 35B figures) on the tiny shape, fp32, its traced prefill graph run
+    uncaptured: a 64-token prompt hits its 3 whole blocks (48 tokens) and a 40-token one its 2, the hit's
+    logits equal the miss's bit for bit, the cache holds every block the stored misses wrote and nothing was
+    skipped or evicted; a prompt with no whole block before its last token is refused in one line."""
+    import json
+    import subprocess
+    import sys
+
+    from onegraph.scripts.bench_prefix_cache_big import main
+    out = tmp_path / "big.json"
+    assert main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--lower", "export", "--prompts",
+                 "64,40", "--chunk", "16", "--max-seq-len", "128", "--reps", "2", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["layers"] == 4 and res["block_tokens"] == 16
+    rows = {r["prompt_tokens"]: r for r in res["prompts"]}
+    assert {n: (r["cached_tokens"], r["prefilled_after_hit"], r["chunks_miss"]) for n, r in rows.items()} == {
+        64: (48, 16, 4), 40: (32, 8, 3)}
+    for r in rows.values():
+        assert r["hit_ids_equal_miss"] and r["hit_logits_equal_miss"] and r["hit_vs_miss_max_logit_diff"] == 0
+        assert r["miss_logits_equal_repeat"] and r["ttft_hit_ms"] >= r["hit_copy_ms"] > 0
+    per = res["block_bytes"]
+    assert rows[64]["hit_copy_bytes"] > rows[40]["hit_copy_bytes"] > per        # more KV rows, one GDN snapshot
+    assert res["cache"]["stored_blocks"] == 2 * (4 + 2) and res["cache"]["hits"] == 4
+    assert res["cache"]["evictions"] == 0 and res["cache"]["store_skipped"] == 0
+    r = subprocess.run([sys.executable, "-m", "onegraph.scripts.bench_prefix_cache_big", "--prompts", "16",
+                        "--chunk", "16", "--out", str(tmp_path / "x.json")], capture_output=True, text=True)
+    assert r.returncode == 2 and "a whole block cached, one token left" in r.stderr and r.stderr.count("\n") == 1
