@@ -137,7 +137,7 @@ def cmd_export(args) -> int:
                          allow_unused_weights=args.allow_unused_weights, quant=args.quant,
                          speculative_tokens=spec_tokens(args.speculative_tokens), weights=args.weights,
                          fp8_lm_head=args.fp8_lm_head, draft_vocab=draft_vocab_size(args.draft_vocab),
-                         draft_vocab_file=args.draft_vocab_file)
+                         draft_vocab_file=args.draft_vocab_file, batch_invariant=args.batch_invariant)
     from onegraph.export.staging import ExportInterrupted
     from onegraph.export.workers import LoweringError
     try:
@@ -530,6 +530,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the output projection as block FP8 too (e4m3, 128x128 scales; default: float, as the official "
                         "FP8 format keeps it): half its bytes at decode, for a measured bits-per-byte cost "
                         "(docs/benchmarks.md); --backend aoti, --tp 1; recorded in the manifest")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="decode graphs give every row the bits it gets alone, whatever the batch and its neighbours "
+                        "(one-row kernel plans at every bucket; docs/design.md, Batch invariance): --device cuda, "
+                        "--quant none, --tp 1, no --fp32-reduce / --fp8-lm-head / --speculative-tokens; costs speed "
+                        "above one row; recorded in the manifest")
     p.add_argument("--speculative-tokens", type=int, default=None, metavar="K",
                    help="also export speculative graphs: the checkpoint's MTP head drafts K (1..4) tokens per round, "
                         "verified by the model in one pass (a checkpoint with mtp.* weights; --backend aoti, --tp 1)")

@@ -13,6 +13,13 @@ export replaces the op by another pure-aten function its own file registers (an 
 kernel, say). A device
 with no lowering, or whose lowering is not registered (triton not installed), fails closed in
 `decompositions()`.
+
+Batch invariance (`export --batch-invariant`, docs/design.md "Batch invariance"): an op whose Triton lowering
+picks its reduction plan from the number of rows in the launch registers a second lowering, "triton_invariant"
+(`onegraph::<name>_invariant_triton`: every row computed with the one-row plan, whatever the batch), and
+`decompositions(..., batch_invariant=True)` puts that variant in the graph, so the choice is an op in the
+traced program (and its manifest's op histogram), not a flag read at run time. An op known to depend on the
+batch with no invariant lowering yet (BATCH_VARIANT) is refused there, naming it.
 """
 from __future__ import annotations
 
@@ -54,6 +61,12 @@ TRITON_CUDA_OPS = frozenset({"gdn_decode_step", "gdn_prefill", "fused_moe", "att
                              "causal_conv_update", "causal_conv_prefill", "sample", "linear", "linear_fp8",
                              "add_rms_norm_linear", "gdn_decode_step_norm", "fused_moe_fp8",
                              "add_rms_norm_linear_fp8"})
+# Ops whose Triton plan depends on the rows in the launch and that have no "triton_invariant" lowering yet:
+# a graph traced with batch_invariant=True that holds one is refused (the export options refuse their causes
+# first: --quant, --fp8-lm-head, --fp32-reduce).
+BATCH_VARIANT = frozenset({"linear_fp8", "add_rms_norm_linear_fp8", "fused_moe_fp8",
+                           "linear_w8a8_fp8", "linear_w8a8_int8", "linear_f32", "gdn_decode_step"})
+INVARIANT = "triton_invariant"
 # (name, how) -> callable with the op's signature that export puts in the op's place.
 LOWERINGS: dict[tuple[str, str], Callable] = {}
 
@@ -113,14 +126,27 @@ def schema_versions() -> dict[str, int]:
 KERNEL_CHOICES = ("auto", "reference")
 
 
-def decompositions(device_type: str, kernels: str = "auto") -> dict:
+def _refuse_batch_variant(name: str) -> Callable:
+    def refuse(*args, **kwargs):
+        raise NotImplementedError(f"onegraph::{name} has no batch-invariant lowering yet (its Triton plan depends "
+                                  f"on the rows in the launch): export --batch-invariant cannot use it")
+    return refuse
+
+
+def decompositions(device_type: str, kernels: str = "auto", batch_invariant: bool = False) -> dict:
     """Decomposition table for `ExportedProgram.run_decompositions`; fails closed per device.
 
     kernels="auto": each op's registered lowering for the device (hand-written Triton on CUDA);
     kernels="reference": every op traced from its pure-torch reference (Inductor writes the kernels) —
-    an explicit export option, recorded in the manifest, never a silent fallback."""
+    an explicit export option, recorded in the manifest, never a silent fallback.
+    batch_invariant: each op's "triton_invariant" lowering where it has one (module docstring); an op in
+    BATCH_VARIANT raises if the traced graph holds it. Needs kernels="auto" on a GPU device (Inductor's and
+    aten's kernels, the CPU ones included, pick their plans from the shapes)."""
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
+    if batch_invariant and (kernels != "auto" or device_type == "cpu"):
+        raise ValueError("batch_invariant needs the hand-written kernels (kernels='auto') on a GPU device, "
+                         f"got kernels={kernels!r} on {device_type!r}")
     table = {}
     for spec in REGISTRY.values():
         how = spec.lowerings.get(device_type)
@@ -130,7 +156,19 @@ def decompositions(device_type: str, kernels: str = "auto") -> dict:
             table[spec.overload] = spec.reference
         else:
             table[spec.overload] = _lowering(spec.name, how, device_type)
+        if batch_invariant and how == "triton":
+            if spec.name in BATCH_VARIANT:
+                table[spec.overload] = _refuse_batch_variant(spec.name)
+            elif (spec.name, INVARIANT) in LOWERINGS:
+                table[spec.overload] = LOWERINGS[(spec.name, INVARIANT)]
+        elif batch_invariant and spec.name in BATCH_VARIANT:      # decomposed to aten: cuBLAS picks by shape
+            table[spec.overload] = _refuse_batch_variant(spec.name)
     return table
+
+
+def invariant_names() -> set[str]:
+    """Qualified names of the batch-invariant Triton ops (export's allow-list)."""
+    return {f"{NAMESPACE}::{name}_invariant_triton" for name, how in LOWERINGS if how == INVARIANT}
 
 
 def check_shape(t: torch.Tensor, shape: tuple, what: str, dtype=None) -> None:

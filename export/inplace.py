@@ -34,7 +34,10 @@ from torch.export.graph_signature import TensorArgument
 
 # functional Triton op -> its in-place twin; the mutated args' names in the twin's schema (in order)
 INPLACE = {"onegraph::gdn_decode_step_norm_triton": ("onegraph::gdn_decode_step_norm_inplace_triton",
-                                                       ("conv_state", "rec_state"))}
+                                                       ("conv_state", "rec_state")),
+           # export --batch-invariant's variant (custom_ops/triton/gdn_decode_step_norm_invariant.py)
+           "onegraph::gdn_decode_step_norm_invariant_triton": ("onegraph::gdn_decode_step_norm_invariant_inplace_triton",
+                                                                 ("conv_state", "rec_state"))}
 
 
 def inplace_op_names() -> set[str]:

@@ -76,6 +76,8 @@ class ExportOptions:
     fp8_lm_head: bool = False                  # the output projection as block FP8 too (checkpoint/quant.py quantize_lm_head)
     weights: str = "copy"                      # copy: weights.safetensors in the artifact | reference: the checkpoint's
                                                # files by path + sha256, made into the weights at load (checkpoint/recipe.py)
+    batch_invariant: bool = False              # decode graphs: each row's bits those it gets alone (the ops' one-row
+                                               # plans for every batch; docs/design.md "Batch invariance")
 
     def validate(self, max_positions: int) -> None:
         if self.backend not in ("aoti", "onnx"):
@@ -127,7 +129,27 @@ class ExportOptions:
         if self.draft_vocab and self.weights != "copy":
             raise ValueError("--draft-vocab needs --weights copy (referenced weights are remade from the checkpoint "
                              "alone, which holds no draft vocabulary)")
+        if self.batch_invariant:
+            self._validate_batch_invariant()
         resolve_dtype(self.dtype)
+
+    def _validate_batch_invariant(self) -> None:
+        """--batch-invariant covers the bf16 / fp16 / fp32 Triton decode graphs of one GPU; the rest is refused
+        until it has invariant kernels of its own (docs/design.md, "Batch invariance")."""
+        why = ("needs --device cuda or xpu (the CPU graphs are aten's, whose GEMMs pick their kernels from the batch)"
+               if self.device == "cpu" else
+               "needs --kernels auto (Inductor's kernels of the references pick their plans from the shapes)"
+               if self.kernels != "auto" else
+               "needs --quant none (the FP8 / W8A8 projections and experts have no batch-invariant kernels yet)"
+               if self.quant not in ("auto", "none") else
+               "cannot take --fp8-lm-head (no batch-invariant FP8 GEMV yet)" if self.fp8_lm_head else
+               "cannot take --fp32-reduce (its fp32 projections are cuBLAS GEMMs, chosen by the batch)"
+               if self.fp32_reduce else
+               "needs --tp 1 (the all-reduce's chunks follow the batch's bytes)" if self.tp > 1 else
+               "cannot take --speculative-tokens yet (the verify graphs' rows are not covered)"
+               if self.speculative_tokens else None)
+        if why:
+            raise ValueError(f"--batch-invariant {why}")
 
 
 def resolve_quant(model_spec, opts: ExportOptions) -> ExportOptions:
@@ -301,7 +323,9 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
                     tag = spec.name if tp == 1 else f"rank{r}/{spec.name}"
                     bar.set_postfix_str(f"trace {tag}")
                     t = time.time()
-                    ep, hist = trace(rank_model, spec, dev, opts.kernels)
+                    # prefill graphs run one request at a time: only decode rows share a launch
+                    ep, hist = trace(rank_model, spec, dev, opts.kernels,
+                                     batch_invariant=opts.batch_invariant and kind == "decode")
                     if warm is not None:
                         warm.join()             # before any key, worker or in-process lowering
                     rel = sub + f"{spec.name}.{'pt2' if opts.backend == 'aoti' else 'onnx'}"
@@ -451,15 +475,18 @@ def inspect(path: str | Path, manifest: dict | None = None) -> str:
     q = m["options"].get("quant", "none")
     lines.insert(2, f"quantization: {SCHEMES[q].describe if q in SCHEMES else q}"
                     + ("; lm_head block fp8" if m["options"].get("fp8_lm_head") else ""))
+    lines.insert(3, "batch invariance: " + ("on: every decode row gets the bits it gets alone (one-row kernel plans "
+                                            "at every bucket)" if m["options"].get("batch_invariant") else
+                                            "off: a decode row's last bits may depend on the batch it runs in"))
     ref = m.get("weights_reference")
     if ref is None:
-        lines.insert(3, f"weights: copied ({m['weights']})")
+        lines.insert(4, f"weights: copied ({m['weights']})")
     else:
         root = ref["checkpoint"]
-        lines.insert(3, f"weights: referenced, made at load from checkpoint {root} by {ref['recipe']['recipe']} "
+        lines.insert(4, f"weights: referenced, made at load from checkpoint {root} by {ref['recipe']['recipe']} "
                         f"(not copied; each file's sha256 verified at load):")
         for i, (rel, f) in enumerate(sorted(ref["files"].items())):
-            lines.insert(4 + i, f"  {rel if root == 'tiny' else str(Path(root) / rel)}  {f['size']} bytes  "
+            lines.insert(5 + i, f"  {rel if root == 'tiny' else str(Path(root) / rel)}  {f['size']} bytes  "
                                 f"sha256 {f['sha256']}")
     for name, g in m["graphs"].items():
         top = sorted(g["ops"].items(), key=lambda kv: -kv[1])[:6]

@@ -26,11 +26,11 @@ class ExportError(RuntimeError):
 
 def allowed_extra_ops(device_type: str) -> set[str]:
     """Qualified names of custom ops that lower to compiled kernels on this device (triton_op)."""
-    from onegraph.custom_ops._registry import REGISTRY
+    from onegraph.custom_ops._registry import REGISTRY, invariant_names
     if device_type == "cpu":
         return set()
     return ({getattr(s, "triton_name", None) for s in REGISTRY.values()} - {None}) | inplace_op_names() \
-        | kv_inplace_op_names()
+        | kv_inplace_op_names() | invariant_names()
 
 
 def check_lowered(ep: torch.export.ExportedProgram, device_type: str) -> dict[str, int]:
@@ -62,19 +62,21 @@ def check_lowered(ep: torch.export.ExportedProgram, device_type: str) -> dict[st
 
 
 def trace(model, spec: GraphSpec, device, kernels: str = "auto", batch: torch.export.Dim | None = None,
-          fold_norms: bool = True) -> tuple[torch.export.ExportedProgram, dict]:
+          fold_norms: bool = True, batch_invariant: bool = False) -> tuple[torch.export.ExportedProgram, dict]:
     """batch: a decode graph's batch dim made symbolic over that Dim's range (entry.dynamic_shapes).
-    fold_norms=False (benchmarks only: the before of a before/after pair) keeps the batch-1 input norms apart."""
+    fold_norms=False (benchmarks only: the before of a before/after pair) keeps the batch-1 input norms apart.
+    batch_invariant: the ops' batch-invariant Triton variants (custom_ops/_registry.py) and no norm folded into
+    a projection (the fold exists at batch 1 only, and sums in another order than the norm kernel + GEMV)."""
     dev = torch.device(device)
     args = example_inputs(spec, dev)
     with torch.no_grad():
         ep = torch.export.export(entry_module(model, spec.kind, spec.k), args,
                                  dynamic_shapes=dynamic_shapes(spec, batch), strict=False)
-        ep = ep.run_decompositions(decompositions(dev.type, kernels))
+        ep = ep.run_decompositions(decompositions(dev.type, kernels, batch_invariant))
         if dev.type != "cpu" and kernels == "auto":
             fold_state_writes(ep)          # the Triton kernels write decode state rows in place
             fold_kv_writes(ep)             # and the attention layers' KV-cache rows
-            if fold_norms:
+            if fold_norms and not batch_invariant:
                 fold_input_norms(ep)       # batch 1: a layer's input norm in its first projection's GEMV
     return ep, check_lowered(ep, dev.type)
 

@@ -25,6 +25,14 @@ One file per op (kernel + launcher + triton_op), sharing `_common.py`:
   linear_fp8.py        block-FP8 weight projection: e4m3 bytes and 128x128 scales applied in registers
   add_rms_norm_linear_fp8.py  the same fold for a block-FP8 projection (one row: the normed row in registers)
   linear_w8a8.py       W8A8 projections (int8 / e4m3 per-channel weights, activations quantized per token)
+Batch-invariant variants (export --batch-invariant; _registry's "triton_invariant" lowerings): every row with the
+one-row plan, whatever the batch (docs/design.md, "Batch invariance"):
+  linear_invariant.py  the M = 1 GEMV loop for every row (no tl.dot, no cuBLAS)
+  add_rms_norm_linear_invariant.py  the norm kernel, then that GEMV (the router's input norm)
+  fused_moe_invariant.py  the one-token decode kernels for every token count (no grouped GEMM)
+  attention_decode_invariant.py  the one-row split count
+  sample_invariant.py  the one-row vocabulary chunks
+  gdn_decode_step_norm_invariant.py  the one-row V tile (and its in-place twin)
 
 Without triton installed nothing is registered (AVAILABLE is False, IMPORT_ERROR says why) and the
 registry fails closed for every op whose CUDA lowering is "triton". This guarded import is the only
@@ -43,3 +51,5 @@ else:
                    causal_conv, fused_moe, fused_moe_fp8,
                    linear, gdn_decode_step, gdn_decode_step_norm, gdn_prefill, linear_fp8, linear_w8a8, norms,
                    qk_norm_rope, rope, sample)
+    from . import (add_rms_norm_linear_invariant, attention_decode_invariant, fused_moe_invariant, gdn_decode_step_norm_invariant,  # noqa: F401
+                   linear_invariant, sample_invariant)

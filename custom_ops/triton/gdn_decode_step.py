@@ -144,13 +144,15 @@ def gdn_decode_step_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, 
 
 
 def run(qkv, a, b, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, num_k_heads, out, new_conv, new_rec,
-        conv_in: bool = False) -> None:
+        conv_in: bool = False, plan_rows: int | None = None) -> None:
     """The step's launch into out [B, HV, V] and the new rows. conv_in: qkv is causal_conv_update's output
-    (the conv state untouched; new_conv unused). new_rec is rec_state: the rows at slots in place."""
+    (the conv state untouched; new_conv unused). new_rec is rec_state: the rows at slots in place.
+    plan_rows: the batch the V tile is chosen for (default B; 1 in the batch-invariant lowering: the V tile sets
+    the layout of the [K, BV] state tile, hence the order of the sums over K)."""
     B = qkv.shape[0]
     _, HV, K, V = rec_state.shape
     W = conv_weight.shape[1]
-    BK, BV = next_pow2(K), block_v(B, HV, V)
+    BK, BV = next_pow2(K), block_v(B if plan_rows is None else plan_rows, HV, V)
     launch(_gdn_decode_kernel, (B, HV, triton.cdiv(V, BV)),
            qkv, a, b, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, out, new_conv, new_rec,
            *qkv.stride(), *a.stride(), *b.stride(), *conv_state.stride(), *rec_state.stride(),

@@ -25,15 +25,16 @@ from . import causal_conv, gdn_decode_step, norms
 
 
 def _launch(qkv, a, b, z, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, norm_weight, num_k_heads,
-            eps, y, new_conv, new_rec) -> None:
+            eps, y, new_conv, new_rec, plan_rows: int | None = None) -> None:
     """The three launches into y [B, HV, V] and the new rows: into new_conv [B, C, W-1] / new_rec [B, HV, K, V],
     or in place into the state rows at slots when they are conv_state / rec_state. Same values as the
-    reference composition (up to the fp32 summation order of the step)."""
+    reference composition (up to the fp32 summation order of the step). plan_rows: gdn_decode_step.run's (the
+    conv and norm launches are per row already)."""
     xc = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)          # [B, C] conv + SiLU
     causal_conv.run_update(qkv, conv_state, slots, conv_weight, xc, new_conv)
     out = torch.empty(y.shape, dtype=qkv.dtype, device=qkv.device)           # [B, HV, V] before the norm
     gdn_decode_step.run(xc, a, b, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, num_k_heads, out,
-                        new_conv, new_rec, conv_in=True)
+                        new_conv, new_rec, conv_in=True, plan_rows=plan_rows)
     norms.gated_rms_norm_heads(out, z, norm_weight, eps, y)
 
 

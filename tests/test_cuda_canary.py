@@ -1,0 +1,69 @@
+"""The batch-invariance canary on a GPU (run on the H200 through the device tool; skipped without CUDA): a bf16
+`tiny` CUDA artifact exported with --batch-invariant (decode buckets 1, 4, 8; prefill chunks 16 and 64), 224
+requests (7 prompts x 4 samplers: greedy; temperature 0.8 seed 11; top-k 20 seed 3; top-p 0.9 at temperature
+0.7 seed 5; x 8 repeats) staggered through Engine.stream on 8 slots, each equal to the same request run alone,
+token for token (tests/canary.py run_mix). The same mix on the CPU artifact: tests/test_canary_mix.py.
+test_default_artifact_for_the_record runs the mix on the artifact exported without the option and prints its
+count (batching may legitimately change a row's last bits there, so it asserts nothing about them)."""
+import canary
+import pytest
+import torch
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+EXPORT = dict(device="cuda", dtype="bfloat16", batch_sizes=(1, 4, 8), prefill_chunks=(16, 64), max_seq_len=256)
+
+
+def _export(tmp_path_factory, name, **kw):
+    from onegraph.export.pipeline import ExportOptions, export
+    out = tmp_path_factory.mktemp("canary") / name
+    export("tiny", out, ExportOptions(**EXPORT, **kw), progress=False)
+    return out
+
+
+def _mix(path):
+    from onegraph.runtime import Engine
+    eng = Engine.from_artifact(path, max_slots=8, max_queue=512, device="cuda")
+    try:
+        n, failures = canary.run_mix(eng, n_prompts=len(canary.MIX_PROMPTS), repeats=8, max_new_tokens=32)
+        c = eng.stats()["counters"]
+        return n, failures, c
+    finally:
+        eng.close()
+
+
+@pytest.fixture(scope="module")
+def invariant_artifact(tmp_path_factory):
+    return _export(tmp_path_factory, "tiny-bi", batch_invariant=True)
+
+
+def test_invariant_artifact_records_the_option(invariant_artifact):
+    from onegraph.export.pipeline import inspect
+    from onegraph.runtime.artifact import verify
+    m = verify(invariant_artifact, files=False)
+    assert m["options"]["batch_invariant"] is True
+    assert "batch invariance: on" in inspect(invariant_artifact, m)
+    for name, g in m["graphs"].items():
+        ops = set(g["ops"])
+        if g["kind"] == "decode":
+            assert {"onegraph::linear_invariant_triton", "onegraph::fused_moe_invariant_triton",
+                    "onegraph::attention_decode_invariant_triton", "onegraph::sample_invariant_triton"} <= ops, name
+            assert not {"onegraph::linear_triton", "onegraph::fused_moe_triton"} & ops, name
+        else:                               # prefill runs one request per call: the default kernels
+            assert not any(o.endswith("_invariant_triton") for o in ops), name
+
+
+def test_224_requests_equal_their_solo_runs(invariant_artifact):
+    n, failures, c = _mix(invariant_artifact)
+    print(f"batch-invariant artifact: {n - len(failures)} of {n} requests equal their solo run; "
+          f"decode steps {c['decode_steps']}, rows {c['decode_rows']}")
+    assert n == 224
+    assert c["decode_rows"] > c["decode_steps"], "no step ever batched two rows"
+    assert not failures, f"{len(failures)} of {n} requests differ from their solo run; first: {failures[0]}"
+
+
+def test_default_artifact_for_the_record(tmp_path_factory):
+    n, failures, _ = _mix(_export(tmp_path_factory, "tiny-default"))
+    print(f"default artifact: {n - len(failures)} of {n} requests equal their solo run"
+          + (f"; first differing: {failures[0]}" if failures else ""))
+    assert n == 224
