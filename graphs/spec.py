@@ -109,7 +109,11 @@ def prune_draft_vocab(model: Qwen35Model, ids: torch.Tensor) -> None:
         from onegraph.custom_ops.linear_fp8 import BLOCK
         scale = model.lm_head.weight_scale_inv.index_select(0, ids.to(w.device) // BLOCK)   # [N, ceil(H/128)]
         rows = rows.float() * scale.repeat_interleave(BLOCK, 1)[:, : rows.shape[1]]
-    model.mtp.register_buffer("draft_ids", ids.to(device=w.device, dtype=torch.int64))
+    ids = ids.to(device=w.device, dtype=torch.int64)
+    model.mtp.register_buffer("draft_ids", ids)
+    # draft_logits' gather map: vocabulary id -> its column in the pruned logits, N (a -inf column) elsewhere
+    inverse = torch.full((model.cfg.vocab_size,), len(ids), dtype=torch.int64, device=w.device)
+    model.mtp.register_buffer("draft_inverse", inverse.index_copy(0, ids, torch.arange(len(ids), device=w.device)))
     model.mtp.draft_head = torch.nn.Parameter(rows.to(dtype).contiguous(), requires_grad=False)
 
 
@@ -120,8 +124,9 @@ def draft_logits(model: Qwen35Model, y):
     if not hasattr(model.mtp, "draft_ids"):
         return model._logits(y)
     part = ops.linear(y, model.mtp.draft_head).float()                           # [N, n_draft]
-    full = torch.full((y.shape[0], model.cfg.vocab_size), float("-inf"), device=y.device)
-    return full.index_copy(1, model.mtp.draft_ids, part)
+    # one gather (no scatter into a filled [N, V]): column draft_inverse[v] of [part | -inf]
+    part = torch.cat([part, part.new_full((part.shape[0], 1), float("-inf"))], 1)  # [N, n_draft + 1]
+    return part.index_select(1, model.mtp.draft_inverse)                          # [N, V]
 
 
 def _sample(logits, sampling, positions):
