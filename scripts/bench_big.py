@@ -220,10 +220,11 @@ def _trace(model, kind: str, bucket: int, args, dev, r: dict, k: int = 0):
     return ep
 
 
-def lower_all(model, wanted: list[tuple[str, int]], args, dev) -> dict:
+def lower_all(model, wanted: list[tuple[str, int, int]], args, dev) -> dict:
     """Every decode and prefill graph of the run traced first, then lowered side by side in worker processes
     (export/workers.py, as `onegraph export` does: the in-memory weights shared with them, not copied), so a
-    run of several 35B graphs (150-300 s each) fits one sitting -> {(kind, bucket): (package, timings)}, which
+    run of several 35B graphs (150-300 s each) fits one sitting. wanted: (kind, bucket, k), k a spec round's
+    drafts (0 for decode / prefill) -> {(kind, bucket, k): (package, timings)}, which
     `lower` then binds. {} (each graph lowered in `lower`, one after another) with --jobs 1, one graph,
     --lower export or tensor parallel."""
     from onegraph.export.program import save_without_weights, weights_of
@@ -233,14 +234,17 @@ def lower_all(model, wanted: list[tuple[str, int]], args, dev) -> dict:
         return {}
     work = Path(tempfile.mkdtemp(prefix="bench_big_lower_"))
     pool, timings, done = LoweringPool(jobs, dev, 1, work / "logs"), {}, {}
+    shared: dict = {}
+    pool.share(0, shared)
     t0 = time.time()
     try:
-        for kind, bucket in wanted:
-            tag, r = f"{kind}_{bucket}", {}
-            ep = _trace(model, kind, bucket, args, dev, r)
+        for kind, bucket, k in wanted:
+            tag, r = f"{kind}_{bucket}_k{k}", {}
+            ep = _trace(model, kind, bucket, args, dev, r, k)
             save_without_weights(ep, work / f"{tag}.program.pt2")
-            if not pool.weights:
-                pool.share(0, weights_of(ep))
+            # one shared dict, grown by each graph's weights before it is submitted (a spec round's add the MTP
+            # head's); a worker gets it with its first task: spec graphs come first in `wanted`
+            shared.update(weights_of(ep))
             del ep
             timings[tag] = r
             pool.submit(tag, 0, work / f"{tag}.program.pt2", work / f"{tag}.pt2", True)
@@ -252,7 +256,8 @@ def lower_all(model, wanted: list[tuple[str, int]], args, dev) -> dict:
     finally:
         pool.close()
     log("lowered", len(done), "graphs in", jobs, "workers:", round(time.time() - t0, 1), "s")
-    return {(kind, bucket): (done[f"{kind}_{bucket}"], dict(timings[f"{kind}_{bucket}"], lowered_in_parallel=jobs))
+    return {(kind, bucket, k): (done[f"{kind}_{bucket}_k{k}"], dict(timings[f"{kind}_{bucket}_k{k}"],
+                                                                  lowered_in_parallel=jobs))
             for kind, bucket in wanted}
 
 
@@ -261,8 +266,8 @@ def lower(model, weights, kind: str, bucket: int, args, dev, r: dict, k: int = 0
     with --lower export, an ExportedGraph); timings go into r. A graph lower_all lowered is bound as it is."""
     from onegraph.export.aoti import lower_aoti
     from onegraph.runtime.executor import AotiGraph
-    if k == 0 and (kind, bucket) in getattr(args, "prelowered", {}):
-        pkg, timings = args.prelowered[(kind, bucket)]
+    if (kind, bucket, k) in getattr(args, "prelowered", {}):
+        pkg, timings = args.prelowered[(kind, bucket, k)]
         r.update(timings)
         return AotiGraph(pkg, weights, dev, args.loader_cls)
     ep = _trace(model, kind, bucket, args, dev, r, k)
@@ -502,6 +507,8 @@ def main(argv=None) -> int:
     ap.add_argument("--speculative-tokens", type=lambda v: [int(x) for x in v.split(",")], default=[],
                     help="comma-separated K: per K and batch, a speculative round graph (MTP head drafts K, the "
                          "main model verifies K+1 rows) timed against the decode step (scripts/bench_big_spec.py)")
+    ap.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                    help="with --speculative-tokens: the head drafts over N ids (export --draft-vocab; 0: all)")
     ap.add_argument("--shape", default="qwen3.5-35b-a3b", choices=["qwen3.5-35b-a3b", "tiny"],
                     help="the model config built with random weights (tiny: the builtin model's shape, for tests)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -577,6 +584,10 @@ def main(argv=None) -> int:
     if args.speculative_tokens:
         from onegraph.scripts.bench_big_spec import attach_random_head
         attach_random_head(model, dev)                  # model.mtp, unfused as export leaves it
+        if args.draft_vocab:                            # random weights: which ids makes no difference to the cost
+            from onegraph.graphs.spec import prune_draft_vocab
+            prune_draft_vocab(model, torch.arange(args.draft_vocab))
+            res["draft_vocab"] = args.draft_vocab
     res["params_B"] = round(sum(p.numel() for p in model.parameters()) / 1e9, 2)
     res["build_s"] = round(time.time() - t, 1)
     log("build_s", res["build_s"])
@@ -588,9 +599,10 @@ def main(argv=None) -> int:
     out = Path(args.out)
     save = (lambda: out.write_text(json.dumps(res, indent=2) + "\n")) if args.rank == 0 else (lambda: None)
     out.parent.mkdir(parents=True, exist_ok=True)
-    wanted = [("decode", B) for B in args.batch] + [("prefill", T) for T in args.prefill]
-    if args.interleave and ("prefill", args.interleave_chunk) not in wanted:
-        wanted.append(("prefill", args.interleave_chunk))
+    wanted = ([("spec", B, k) for B in args.batch for k in args.speculative_tokens] + [("decode", B, 0) for B in args.batch]
+              + [("prefill", T, 0) for T in args.prefill])
+    if args.interleave and ("prefill", args.interleave_chunk, 0) not in wanted:
+        wanted.append(("prefill", args.interleave_chunk, 0))
     args.prelowered = lower_all(model, wanted, args, dev)
     res["batches"] = []
     for B in args.batch:
@@ -600,12 +612,12 @@ def main(argv=None) -> int:
         save()                                           # partial results survive a kill
     if args.speculative_tokens:
         from onegraph.scripts.bench_big_spec import NO_ACCEPTANCE, ROUND_VS_DECODE, bench_round
-        res["speculation"], res["acceptance"], res["round_vs_decode"] = [], NO_ACCEPTANCE, ROUND_VS_DECODE
+        res["speculative"], res["acceptance"], res["round_vs_decode"] = [], NO_ACCEPTANCE, ROUND_VS_DECODE
         for B, decode_row in zip(args.batch, res["batches"]):
             for k in args.speculative_tokens:
                 r = bench_round(model, weights, B, k, args, dev, decode_row, (res["copy_bandwidth_GBps"] or 0) * 1e9,
                                 lower)
-                res["speculation"].append(r)
+                res["speculative"].append(r)
                 log(json.dumps(r))
                 save()
     res["prefill"] = []

@@ -6,9 +6,10 @@ run.
 Per K the round graph for bucket B is lowered like the decode graph (bench_big.lower), called with rows
 0..B-1 (greedy), its input tokens gathered from a device-side last_tok and its next_ids scattered back (as
 runtime/cuda_graphs.CapturedDecode does for a decode step), and on CUDA captured in a CUDA graph
-(`Round`). Reported: round_ms, round_ms / decode_ms, the draft / verify / commit / catch-up split from the
-profiler (`round_split`), and ms per token at assumed acceptance lengths (tokens per round) =
-round_ms / acceptance_length. Random weights give no meaningful acceptance (the head and the main model
+(`Round`). Reported per K (bench_big's `speculative` list): K, layers, captured, round_ms, decode_ms, round_ms /
+decode_ms, with --profile the draft / verify / commit / catch-up split from the profiler (`round_split_us`,
+draft_ms_per_token, verify_ms), and ms per token at assumed acceptance lengths (tokens per round, up to
+K + 1) = round_ms / acceptance_length (`ms_per_token_at`). Random weights give no meaningful acceptance (the head and the main model
 are unrelated random networks, so almost every draft is rejected): no acceptance is measured or reported,
 the acceptance lengths are assumptions. A round's cost hardly depends on how many drafts it accepts (the
 commit gathers one snapshot per GDN layer whatever the count).
@@ -28,7 +29,7 @@ from onegraph.commands.bench_common import sync as _sync
 
 ACCEPTANCE_LENGTHS = (2.0, 2.5, 3.0, 3.4)
 NO_ACCEPTANCE = ("random weights: the MTP head and the main model are unrelated random networks, so their "
-                 "acceptance is meaningless; none is measured or reported. ms_per_token_at_acceptance uses "
+                 "acceptance is meaningless; none is measured or reported. ms_per_token_at uses "
                  "assumed acceptance lengths (tokens per round = accepted drafts + 1)")
 
 ROUND_VS_DECODE = ("round_ms is one replay of the round graph with static rows and sampling inputs and its "
@@ -225,7 +226,8 @@ def bench_round(model, weights, B: int, k: int, args, dev, decode_row: dict, bw:
     decode_row: bench_big's decode row of the same B and model (its replay_ms_per_step)."""
     from onegraph.models.qwen3_5.model import new_state
     from onegraph.graphs.spec_graphs import spec_state_spec
-    cfg, dtype, r = model.cfg, model.embed_tokens.weight.dtype, {"batch": B, "speculative_tokens": k}
+    cfg, dtype = model.cfg, model.embed_tokens.weight.dtype
+    r = {"batch": B, "K": k, "layers": cfg.num_layers}
     graph = lower(model, weights, "spec", B, args, dev, r, k=k)
     t = time.time()
     state = new_state(cfg, B, args.max_seq_len, dtype, dev)
@@ -247,9 +249,10 @@ def bench_round(model, weights, B: int, k: int, args, dev, decode_row: dict, bw:
     r["parity_vs_eager"] = round_parity(model, k, rnd, state, last_tok)
     round_ms = timed(rnd.step, args.steps, dev)
     decode_ms = decode_row.get("replay_ms_per_step")
-    r.update({"captured": capture, "round_ms": round(round_ms, 3),
+    r.update({"captured": capture, "round_ms": round(round_ms, 3), "decode_ms": decode_ms,
               "round_over_decode_step": round(round_ms / decode_ms, 3) if decode_ms else None,
-              "ms_per_token_at_acceptance": {str(a): round(round_ms / a, 3) for a in ACCEPTANCE_LENGTHS}})
+              "ms_per_token_at": {str(a): round(round_ms / a, 3) for a in ACCEPTANCE_LENGTHS + (float(k + 1),)
+                                  if a <= k + 1}})
     nbytes = round_weight_bytes(model, B, k)
     r.update({"round_weight_bytes": nbytes, "round_bandwidth_limit_ms": round(nbytes / bw * 1e3, 3) if bw else None})
     if args.profile and dev.type == "cuda":
@@ -259,7 +262,8 @@ def bench_round(model, weights, B: int, k: int, args, dev, decode_row: dict, bw:
             r["round_split_error"] = str(e)
         else:
             r["round_split_us"] = split
-            r["draft_us_per_draft_token"] = round(split["draft_us"] / k, 1)
+            r["draft_ms_per_token"] = round(split["draft_us"] / k / 1e3, 4)
+            r["verify_ms"] = round(split["verify_us"] / 1e3, 3)
             r["verify_over_decode_step"] = round(split["verify_us"] / 1e3 / decode_ms, 3) if decode_ms else None
             layers, full = cfg.num_layers, args.layers_full
             if layers < full:        # bench_big LAYERS_METHOD: what scales with the main model's layers is
