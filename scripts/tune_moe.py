@@ -10,6 +10,12 @@ tiles: the op routing in-kernel, the op routing first with _route_kernel (fused_
 and that routing kernel alone; prefix_us = in-kernel - (route first - routing alone); model_routes_first: which
 of the two fused_moe.route_first picks at that batch.
 
+--distinct-experts 8,12,...: the cost of a speculative verify's MoE (K + 1 rows of one slot) against how many
+distinct experts its rows read: per batch B and U, router logits that make the B tokens pick their top_k among
+exactly U experts (token 0 picks k of them, the others add the remaining U - k between them and fill up from
+token 0's), next to independent random routing (its mean distinct count recorded) and B = 1. Random routers make
+B tokens read ~k*B experts; trained ones share experts between consecutive tokens.
+
 Each timing is one CUDA graph of `copies` calls, each on its own copy of the layer's weights and its
 own input (so its own experts): in a model every layer reads experts no earlier call left in L2. (A
 sweep that called one layer's weights again and again let them sit in L2, and ranked the tiles by
@@ -41,11 +47,54 @@ def set_tiles(B: int, tiles) -> None:
         mod.BI1, mod.BH1, mod.W1, mod.BH2, mod.BI2, mod.W2 = tiles
 
 
+def forced_logits(B: int, U: int, E: int, k: int, g) -> torch.Tensor:
+    """Router logits [B, E + 1] (bf16; the last column the shared-expert gate) whose top-k sets over the B tokens
+    cover exactly U experts: token 0 takes pool[:k], the U - k others are split between tokens 1.., each filling
+    up to k from pool[:k]. The chosen logits sit well above the rest (no near-ties)."""
+    if not k <= U <= k * B:
+        raise ValueError(f"{U} distinct experts cannot come from {B} tokens of top-{k}")
+    pool = torch.randperm(E, generator=torch.Generator().manual_seed(U))[:U].tolist()
+    rest, sets = pool[k:], [pool[:k]]
+    for t in range(1, B):
+        n = len(rest) // (B - t) + (1 if len(rest) % (B - t) else 0)
+        own, rest = rest[:n], rest[n:]
+        sets.append(own + [e for e in pool[:k] if e not in own][:k - len(own)])
+    logits = torch.randn(B, E + 1, generator=g, device=g.device) * 0.5 - 4
+    for t, chosen in enumerate(sets):
+        logits[t, chosen] = 4 + torch.arange(k, device=g.device, dtype=torch.float32) * 0.25
+    logits[:, E] = torch.randn(B, generator=g, device=g.device)
+    return logits.to(torch.bfloat16)
+
+
+def distinct_experts(fn, weights, batches, distinct, g, k: int, E: int) -> list[dict]:
+    """--distinct-experts rows: µs per call at each (B, U), at B with random routing, and at B = 1."""
+    from onegraph.scripts.bench_ops import MOE, rand
+    H, rows = MOE["H"], []
+    one = [(rand(g, 1, H), torch.nn.functional.linear(rand(g, 1, H), torch.cat([r, s])), *ex, k)
+           for r, *ex, s in weights]
+    rows.append({"B": 1, "distinct": k, "us": round(time_copies(fn, one), 2)})
+    for B in batches:
+        cases = []
+        for router, *experts, sgw in weights:
+            x = rand(g, B, H)
+            cases.append((x, torch.nn.functional.linear(x, torch.cat([router, sgw])), *experts, k))
+        seen = sum(len(set(c[1][:, :E].float().topk(k).indices.flatten().tolist())) for c in cases) / len(cases)
+        rows.append({"B": B, "distinct": "random", "mean_distinct": seen, "us": round(time_copies(fn, cases), 2)})
+        for U in distinct:
+            forced = [(rand(g, B, H), forced_logits(B, U, E, k, g), *c[2:]) for c in cases]
+            rows.append({"B": B, "distinct": U, "us": round(time_copies(fn, forced), 2)})
+        for r in rows[-len(distinct) - 1:]:
+            print(json.dumps(r), flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 8])
     ap.add_argument("--copies", type=int, default=6, help="weight copies per graph (1.6 GB each at the 35B shape)")
     ap.add_argument("--routing-prefix", action="store_true", help="measure the in-kernel routing's cost (docstring)")
+    ap.add_argument("--distinct-experts", type=lambda v: [int(x) for x in v.split(",")], default=[],
+                    help="the verify's MoE against its distinct experts (docstring)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     from onegraph.custom_ops.triton import fused_moe as mod
@@ -66,6 +115,11 @@ def main(argv=None) -> int:
     res = {"command": "python -m onegraph.scripts.tune_moe " + " ".join(sys.argv[1:] if argv is None else argv),
            "default": base, "copies": args.copies, "rows": []}
     fn = torch.ops.onegraph.fused_moe_triton
+    if args.distinct_experts:
+        res["rows"] = distinct_experts(fn, weights, args.batches, args.distinct_experts, g, k, E)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+        return 0
     for B in args.batches:
         cases = []
         for router, *experts, sgw in weights:                 # fused_moe takes the logits: x @ [router; sgw].T
