@@ -10,10 +10,10 @@ on the H200 through the device tool; skipped without CUDA):
 DEVICE is the one switch for a dry run elsewhere (`"cpu"` exports a float32 CPU artifact); the committed test
 targets CUDA. One export per session (three graphs); the file takes about a minute on the H200 after it.
 """
-import threading
-
 import pytest
 import torch
+
+from test_prefix_cache import run_all
 
 DEVICE = "cuda"
 DTYPE = {"cuda": "bfloat16", "cpu": "float32"}[DEVICE]
@@ -88,27 +88,6 @@ def engines(prefix_artifact, cuda_graphs):
     yield off, on
     off.close()
     on.close()
-
-
-def run_all(engine, jobs):
-    """Submit every (prompt, n, sampling kwargs) at once -> [(token ids, finish reason, cached_tokens)]."""
-    out = [([], [], [0]) for _ in jobs]
-    done = [threading.Event() for _ in jobs]
-
-    def emit(i):
-        def f(ev):
-            if ev.token_id is not None:
-                out[i][0].append(ev.token_id)
-            if ev.finish_reason is not None:
-                out[i][1].append(ev.finish_reason)
-                out[i][2][0] = ev.cached_tokens
-                done[i].set()
-        return f
-    for i, (prompt, n, sp) in enumerate(jobs):
-        engine.submit(prompt, emit(i), n, **sp)
-    for d in done:
-        assert d.wait(120)
-    return [(t, f[0], c[0]) for t, f, c in out]
 
 
 def test_engine_shared_prefix_equals_no_cache(engines):
