@@ -80,10 +80,11 @@ def distinct_experts(fn, weights, batches, distinct, g, k: int, E: int) -> list[
             cases.append((x, torch.nn.functional.linear(x, torch.cat([router, sgw])), *experts, k))
         seen = sum(len(set(c[1][:, :E].float().topk(k).indices.flatten().tolist())) for c in cases) / len(cases)
         rows.append({"B": B, "distinct": "random", "mean_distinct": seen, "us": round(time_copies(fn, cases), 2)})
-        for U in distinct:
+        reach = [U for U in distinct if k <= U <= k * B]       # what B tokens of top-k can cover
+        for U in reach:
             forced = [(rand(g, B, H), forced_logits(B, U, E, k, g), *c[2:]) for c in cases]
             rows.append({"B": B, "distinct": U, "us": round(time_copies(fn, forced), 2)})
-        for r in rows[-len(distinct) - 1:]:
+        for r in rows[-len(reach) - 1:]:
             print(json.dumps(r), flush=True)
     return rows
 
