@@ -39,6 +39,9 @@ FP8_SHAPES = [("gdn_in_proj_qkvz", 12288, 2048, 30), ("attn_qkv", 9216, 2048, 10
 # the FMA GEMV and the dot path at M = 1 (x padded to 16 rows on the tensor cores)
 FP8_GEMV_TILES = [(1, bn, bk, w, s) for bn, bk, w, s in itertools.product((4, 8, 16, 32, 64), (256, 512, 1024),
                                                                          (4, 8), (1, 2, 3)) if bn * bk <= 32768]
+# a program's rows whole in one load (K = 2048 / 4096: every byte of the program in flight behind one latency)
+FP8_GEMV_TILES += [(1, bn, bk, w, 1) for bn, bk, w in itertools.product((1, 2, 4, 8), (2048, 4096), (2, 4, 8))
+                   if bn * bk <= 16384]
 FP8_DOT_TILES = [(16, bn, bk, w, s) for bn, bk, w, s in itertools.product((16, 32, 64, 128), (64, 128), (4, 8),
                                                                          (2, 3, 4, 5)) if bn * bk <= 16384]
 FP8_MANY_TILES = [(bm, bn, bk, w, s) for bm, bn, bk, w, s in itertools.product((16, 32, 64), (32, 64, 128), (64, 128),
@@ -178,6 +181,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--fp8", action="store_true", help="the block-FP8 projection kernel instead of the bf16 GEMV")
     ap.add_argument("--norm", action="store_true", help="add_rms_norm_linear's one-row form (module docstring); with --fp8 add_rms_norm_linear_fp8's")
+    ap.add_argument("--shapes", type=lambda v: v.split(","), default=None,
+                    help="only these shape names (default all; names in FP8_SHAPES / SHAPES)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -198,6 +203,8 @@ def main(argv=None) -> int:
     totals: dict = {}
     for M in [int(v) for v in args.rows.split(",")]:
         for name, N, K, uses in FP8_SHAPES if args.fp8 else SHAPES:
+            if args.shapes and name not in args.shapes:
+                continue
             nbytes = N * K * (1 if args.fp8 else 2)
             copies = max(2, min(20, (800 << 20) // nbytes))
             ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * K ** -0.5 for _ in range(copies)]
@@ -225,9 +232,6 @@ def main(argv=None) -> int:
             row["best_bw"] = round(nbytes / (per[best] * 1e-6) / bw, 3)
             row["current_tile"] = list(cur)
             row["current_us"] = round(per.get(cur, time_calls(lambda a, w: run(a, w), ws, x, args.reps)), 2)
-            if args.fp8 and M == 1:                              # the GEMV scaling each weight, not x's tile
-                row["scale_per_weight_us"] = round(time_calls(lambda a, w: lin8.matmul(a, w, scale, cur, xs=False),
-                                                              ws, x, args.reps), 2)
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
             del ws

@@ -51,6 +51,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 8, 64])
     ap.add_argument("--copies", type=int, default=6)
+    ap.add_argument("--wide", action="store_true",
+                    help="B = 1: every (rows, K tile, warps) of each kernel instead of the short list")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     H, E, I, Is, k = (MOE[x] for x in ("H", "E", "I", "Is", "top_k"))
@@ -80,7 +82,11 @@ def main(argv=None) -> int:
         # decode tiles (swiglu BI, BH, warps, down BH, BI, warps), shared with the bf16 kernels (fused_moe.decode_tiles)
         base = fp8mod.tiles(B)
         variants = [None]
-        if B * k <= E and B == 1:                         # swiglu tiles at the current down tile, then down tiles
+        if B * k <= E and B == 1 and a.wide:              # every swiglu tile at the current down tile, then down
+            variants += [(sw, base[1]) for sw in itertools.product((2, 4, 8, 16, 32), (256, 512, 1024, 2048), (2, 4, 8))
+                         if sw[0] * sw[1] <= 16384]
+            variants += [(base[0], dn) for dn in itertools.product((1, 2, 4, 8, 16), (128, 256, 512), (2, 4, 8))]
+        elif B * k <= E and B == 1:                       # swiglu tiles at the current down tile, then down tiles
             variants += [(sw, base[1]) for sw in ((2, 2048, 4), (4, 2048, 4), (4, 2048, 8), (8, 2048, 8),
                                                    (2, 1024, 2), (4, 1024, 4), (8, 1024, 4), (8, 512, 4),
                                                    (16, 512, 8), (16, 256, 4))]
