@@ -58,31 +58,39 @@ def time_prefill(executor, T: int, reps: int = 3) -> float:
     return (time.perf_counter() - t) / reps * 1e3
 
 
-def engine_host_us(artifact: Path, device: str, n_tokens: int = 64, runs: int = 5) -> dict:
-    """Engine host µs per decode step, the median of `runs` generations of n_tokens (one run on a busy
-    host can read 2x: measured 69 vs 36 µs back to back on the H200)."""
+def engine_host_us(artifact: Path, device: str, n_tokens: int = 64, runs: int = 5,
+                   speculation: bool | None = None) -> dict:
+    """Engine host µs per decode step (a speculative round where the engine speculates), the median of `runs`
+    greedy generations of n_tokens (one run on a busy host can read 2x: measured 69 vs 36 µs back to back on
+    the H200), with that run's output tok/s (wall of generate(), prefill included) and, speculating, its mean
+    accepted length."""
     import statistics
 
     from onegraph.runtime import Engine
-    eng = Engine.from_artifact(artifact, max_slots=1, device=device, check_parity=False)
-    n_tokens = min(n_tokens, eng.artifact.max_seq_len - 3)    # the prompt is 3 tokens
-    per_run = []
+    eng = Engine.from_artifact(artifact, max_slots=1, device=device, check_parity=False, speculation=speculation)
+    n_tokens = min(n_tokens, eng.artifact.max_seq_len - 3 - eng.spec)    # the prompt is 3 tokens
+    per_run, tok_s, accepted = [], [], []
     try:
         eng.generate([1, 2, 3], 8)
         for _ in range(runs):
             eng.step_us.clear()
             eng.counters.clear()
+            t = time.perf_counter()
             eng.generate([1, 2, 3], n_tokens)
-            per_run.append(eng.stats()["step_us"])
+            tok_s.append(n_tokens / (time.perf_counter() - t))
+            stats = eng.stats()
+            per_run.append(stats["step_us"])
+            accepted.append((stats["speculation"] or {}).get("mean_accepted_length"))
     finally:
         eng.close()
     # CPU time per step outside device waits: the graph launch counts (it is host work), the wait for the
     # previous step's event does not (reported apart as device_wait)
     hosts = [sum(us.get(k, 0) for k in ("copy_in", "replay", "bookkeeping", "host_read")) for us in per_run]
-    us = per_run[hosts.index(statistics.median_low(hosts))]          # the breakdown of the median run
-    return {"host_us_per_step": round(statistics.median_low(hosts), 2), "host_us_per_run": [round(h, 2) for h in hosts],
-            "replay_call_us_per_step": round(us.get("replay", 0), 2),
-            "breakdown_us": {k: round(v, 2) for k, v in us.items()}}
+    i = hosts.index(statistics.median_low(hosts))                    # the median run's breakdown
+    return {"speculative_tokens": eng.spec, "host_us_per_step": round(hosts[i], 2),
+            "host_us_per_run": [round(h, 2) for h in hosts], "replay_call_us_per_step": round(per_run[i].get("replay", 0), 2),
+            "breakdown_us": {k: round(v, 2) for k, v in per_run[i].items()}, "tok_s": round(tok_s[i], 1),
+            "mean_accepted_length": None if accepted[i] is None else round(accepted[i], 3)}
 
 
 def transformers_ms(model_dir: Path, device: str, dtype: torch.dtype, steps: int) -> float | None:
@@ -144,7 +152,9 @@ def run(args) -> dict | None:
     t = time.time()
     if not is_artifact(artifact):
         export(str(src), artifact, ExportOptions(device=args.device, dtype=args.dtype, batch_sizes=batch,
-                                                 prefill_chunks=(args.prefill_chunk,), max_seq_len=args.max_seq_len),
+                                                 prefill_chunks=(args.prefill_chunk,), max_seq_len=args.max_seq_len,
+                                                 speculative_tokens=args.speculative_tokens,
+                                                 draft_vocab=args.draft_vocab),
                progress=not args.quiet)
     export_s = time.time() - t
     try:
@@ -166,7 +176,8 @@ def run(args) -> dict | None:
         if rank > 0:
             GraphExecutor.from_artifact(artifact, max_slots=1, device=args.device, check_parity=False).follow()
             return None
-        engine = engine_host_us(artifact, args.device)
+        engine = engine_host_us(artifact, args.device)       # speculating where the artifact has the graphs
+        spec_off = engine_host_us(artifact, args.device, speculation=False) if engine["speculative_tokens"] else None
     finally:
         ranks.leave()
     rows = [{"batch": B, "replay_ms_per_step": round(r_ms[B], 4), "eager_ms_per_step": round(e_ms[B], 4),
@@ -183,6 +194,7 @@ def run(args) -> dict | None:
         "export_seconds": round(export_s, 1), "decode": rows,
         "prefill_ms": {str(args.prefill_chunk): round(prefill_ms, 3)},
         "engine": engine,
+        "engine_speculation_off": spec_off,
         "transformers_eager_ms_per_token_bs1": None if tf_ms is None else round(tf_ms, 3),
     }
 
@@ -198,6 +210,9 @@ def add_args(p) -> None:
     p.add_argument("--max-seq-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads (1 for tiny CPU runs: less noise)")
+    p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                   help="export the MTP draft/verify graphs too; the engine is then timed with speculation on and off")
+    p.add_argument("--draft-vocab", type=int, default=0, metavar="N", help="with --speculative-tokens: as export's")
     p.add_argument("--artifact", help="reuse (or create) the artifact at this path")
     p.add_argument("--no-transformers", dest="transformers", action="store_false")
     p.add_argument("--out", help="write the JSON here")

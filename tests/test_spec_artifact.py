@@ -278,3 +278,13 @@ def test_metrics_report_acceptance(engines):
     assert vals["onegraph_spec_draft_tokens"] == K and vals["onegraph_spec_rounds"] == s["rounds"] > 0
     assert math.isclose(vals["onegraph_spec_acceptance_rate"], s["acceptance_rate"])
     assert math.isclose(vals["onegraph_spec_mean_accepted_length"], 1 + K * s["acceptance_rate"])
+
+
+def test_bench_engine_host_with_and_without_speculation(spec_artifact, one_thread):
+    """`onegraph bench --speculative-tokens K`'s engine rows: a round per step speculating, a token per step not."""
+    from onegraph.commands.bench import engine_host_us
+    on = engine_host_us(spec_artifact, "cpu", n_tokens=24, runs=1)
+    off = engine_host_us(spec_artifact, "cpu", n_tokens=24, runs=1, speculation=False)
+    assert on["speculative_tokens"] == K and off["speculative_tokens"] == 0
+    assert 1 <= on["mean_accepted_length"] <= K + 1 and off["mean_accepted_length"] is None
+    assert on["host_us_per_step"] > 0 and off["host_us_per_step"] > 0 and on["tok_s"] > 0 and off["tok_s"] > 0
