@@ -110,13 +110,15 @@ def _fp8_kernel(x, w, s, y, M, N, s_x_m, s_w_n, s_s_n, s_y_m, res, nw, normed, h
 # and K for the GEMV. GEMV tiles: the least time per 35B decode step over the FP8 projections of that K,
 # `python -m onegraph.scripts.bench_linear --fp8 --rows 1,4,16` on the H200 (benchmarks/h200_linear_fp8.json, one CUDA
 # graph over distinct weight copies): the GDN [qkv; z] (25.2 MB) in 8.98 us (67 % of copy bandwidth), attention
-# [q; k; v] (18.9 MB) 8.14, out/o_proj (8.4 MB, K = 4096) 5.23. Rows per program matter most: 4-8 rows (the
-# earlier tile set) read the GDN run in 10.0 us at best; scaling each weight instead of x's tile, 11.15.
+# [q; k; v] (18.9 MB) 8.14. Rows per program matter most: 4-8 rows (the earlier tile set) read the GDN run in
+# 10.0 us at best; scaling each weight instead of x's tile, 11.15. out/o_proj (8.4 MB, K = 4096): two rows a program
+# whole in one load (every byte of the program in flight behind one latency), 4.71 us against 5.20 at (4 rows, K tile
+# 1024) (`bench_linear --fp8 --rows 1 --shapes out_or_o_proj,gdn_in_proj_qkvz`, benchmarks/h200_linear_fp8_whole_row.json).
 # "batch" (decode buckets above GEMV_MAX_M rows, up to BATCH_MAX_M), `bench_linear --fp8 --rows 64`
 # (benchmarks/h200_linear_fp8_m64.json): [qkv; z] 21.8 us against 24.5 at the prefill tile, out/o_proj 17.3 against
 # 35.4 (the prefill tile's 64-row programs leave out_proj's 2048 rows 32 programs). Still below cuBLAS on the bf16
 # weights (15.5 / 10.1 us): the e4m3 tiles are upcast for bf16 tensor cores.
-TILES = {("one", 2048): (1, 32, 256, 8, 2), ("one", 4096): (1, 4, 1024, 4, 1),
+TILES = {("one", 2048): (1, 32, 256, 8, 2), ("one", 4096): (1, 2, 4096, 4, 1),
          "one": (1, 32, 256, 8, 2), "few": (16, 32, 128, 4, 4),
          ("batch", 2048): (64, 32, 64, 4, 4), ("batch", 4096): (16, 32, 128, 4, 4),
          "batch": (64, 32, 64, 4, 4), "many": (64, 64, 128, 4, 3)}
