@@ -14,7 +14,8 @@ of the two fused_moe.route_first picks at that batch.
 distinct experts its rows read: per batch B and U, router logits that make the B tokens pick their top_k among
 exactly U experts (token 0 picks k of them, the others add the remaining U - k between them and fill up from
 token 0's), next to independent random routing (its mean distinct count recorded) and B = 1. Random routers make
-B tokens read ~k*B experts; trained ones share experts between consecutive tokens.
+B tokens read ~k*B experts; trained ones share experts between consecutive tokens. With --fp8 the same rows for
+fused_moe_fp8 (the experts and shared expert quantized to block FP8 as scripts/bench_moe_fp8.py does).
 
 Each timing is one CUDA graph of `copies` calls, each on its own copy of the layer's weights and its
 own input (so its own experts): in a model every layer reads experts no earlier call left in L2. (A
@@ -96,6 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--routing-prefix", action="store_true", help="measure the in-kernel routing's cost (docstring)")
     ap.add_argument("--distinct-experts", type=lambda v: [int(x) for x in v.split(",")], default=[],
                     help="the verify's MoE against its distinct experts (docstring)")
+    ap.add_argument("--fp8", action="store_true", help="--distinct-experts: the block-FP8 op (docstring)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     from onegraph.custom_ops.triton import fused_moe as mod
@@ -117,6 +119,11 @@ def main(argv=None) -> int:
            "default": base, "copies": args.copies, "rows": []}
     fn = torch.ops.onegraph.fused_moe_triton
     if args.distinct_experts:
+        if args.fp8:                                      # (router, e4m3 + scale per weight..., sgw)
+            from onegraph.scripts.bench_moe_fp8 import quantize
+            fn = torch.ops.onegraph.fused_moe_fp8_triton
+            weights = [(r, *(t for w in ws for t in quantize(w)), sgw) for r, *ws, sgw in weights]
+        res["fp8"] = args.fp8
         res["rows"] = distinct_experts(fn, weights, args.batches, args.distinct_experts, g, k, E)
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
