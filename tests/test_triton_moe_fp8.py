@@ -157,6 +157,39 @@ def test_kernels_match_reference_with_checkpoint_scales(T, H, E, I, Is, top_k, d
         compare(got, ref, 1e-4, 1.0, f"T={T}")
 
 
+@needs_triton
+@pytest.mark.parametrize("T,H,E,I,Is,top_k,dtype,pow2,swiglu,down,bm_min", [
+    # partial edge blocks (H 192, I 136); power-of-two scales: bit for bit the bf16 kernels' swap form
+    (6, 192, 8, 136, 136, 2, BF16, True, (64, 128, 4, 3, True), (32, 64, 4, 3, True), {}),
+    # whole blocks (H 256, I 128), checkpoint scales, tiles of one whole 128x128 block, 8-row blocks
+    (8, 256, 8, 128, 128, 2, BF16, False, (128, 128, 8, 3, True), (128, 128, 8, 3, True), {"few": 8}),
+    (8, 256, 8, 128, 128, 2, torch.float32, False, (128, 128, 8, 3, True), (128, 64, 4, 3, True), {"few": 8}),
+])
+def test_grouped_swap_tiles(T, H, E, I, Is, top_k, dtype, pow2, swiglu, down, bm_min, monkeypatch):
+    """The grouped kernels' swap form (the upcast e4m3 tile [BN, BK] @ x^T [BK, BM], scaled per tile): against the
+    op's reference (test_kernels_match_reference_with_checkpoint_scales' tolerances) and the plain tiles' output
+    (the same products in another fp32 order: close). Power-of-two scales: against fused_moe's bf16 kernels, run
+    swapped on the same tiles over the dequantized weights: bit for bit on the interpreter."""
+    from onegraph.custom_ops.triton import fused_moe_fp8_prefill as pf, fused_moe_prefill as pm
+    args, float_args = fp8_args(T, H, E, I, Is, top_k, dtype, seed=40 + T, pow2=pow2)
+    assert T * top_k > E and pm.row_class(T * top_k, E) == "few"
+    plain = ops.fused_moe_fp8_triton(*args)
+    for mod in (pf, pm):
+        monkeypatch.setattr(mod, "TILES", {**mod.TILES, ("swiglu", "few"): swiglu, ("down", "few"): down})
+        monkeypatch.setattr(mod, "BM_MIN", bm_min)
+    got, ref = ops.fused_moe_fp8_triton(*args), reference_fused_moe_fp8(*args)
+    assert got.dtype == dtype
+    tol = (3e-2, 0.05) if dtype == BF16 else (1e-4, 1.0)
+    compare(got, ref, *tol, f"swap T={T} vs reference")
+    compare(got, plain, *tol, f"swap T={T} vs plain tiles")
+    if pow2:
+        want = ops.fused_moe_triton(*float_args)
+        if INTERPRETED:
+            assert torch.equal(got, want), f"T={T}: max diff {(got.float() - want.float()).abs().max().item():.3g}"
+        else:
+            compare(got, want, 3e-2, 0.05, f"swap T={T} vs bf16 kernels")
+
+
 def test_validation_names_the_bad_scale():
     args, _ = fp8_args(1, 192, 8, 136, 136, 2, BF16, seed=0, pow2=True)
     bad = list(args)
@@ -199,7 +232,8 @@ launches = []
 m.launch = bf16_mod.launch = pf.launch = lambda kernel, grid, *a, **meta: launches.append((kernel, a, meta))
 e4, f32, bf = torch.float8_e4m3fn, torch.float32, torch.bfloat16
 t = lambda dt, *s: torch.empty(*s, dtype=dt, device="meta")        # recorded launches: never run
-for T in (1, 6):                                   # the decode kernels, then the grouped GEMMs (T*k > E)
+for T, swap in ((1, False), (6, False), (6, True)):  # the decode kernels, the grouped GEMMs (T*k > E), swapped
+    pf.TILES = {name: (*tile[:4], swap) for name, tile in pf.TILES.items()}
     m.fused_moe_fp8_triton(t(bf, T, 192), t(bf, T, 9), t(e4, 8, 272, 192), t(f32, 8, 4, 2), t(e4, 8, 192, 136),
                            t(f32, 8, 2, 2), t(e4, 136, 192), t(f32, 2, 2), t(e4, 136, 192), t(f32, 2, 2),
                            t(e4, 192, 136), t(f32, 2, 2), 2)
@@ -212,8 +246,9 @@ for kernel, a, meta in launches:
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
 def test_inductor_sees_only_output_and_workspace_writes():
-    """Inductor's TTIR mutation analysis understands every kernel and finds no write to an input (x, logits, the
-    e4m3 weights, their scales): AOTInductor then neither clones the expert weights nor assumes them mutated.
+    """Inductor's TTIR mutation analysis understands every kernel (the grouped ones in both forms, plain and swap)
+    and finds no write to an input (x, logits, the e4m3 weights, their scales): AOTInductor then neither clones
+    the expert weights nor assumes them mutated.
     A plain subprocess (compiled kernels, no GPU)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = TTIR_WRITES + _MUTATION_SCRIPT

@@ -210,8 +210,8 @@ def plan(tiles: dict, bm_min: dict, P: int, E: int):
             raise ValueError(f"fused_moe prefill: the {name} tile of rows class {cls!r} must be (BN, BK, warps, "
                              f"stages, swap), BN and BK powers of two >= 16, warps a power of two; got {t!r}")
     bm = bm_min.get(cls, 16)
-    if not (_pow2(bm) and bm <= BM_MAX):
-        raise ValueError(f"fused_moe prefill: BM_MIN of rows class {cls!r} must be a power of two <= {BM_MAX}, "
+    if not (_pow2(bm) and 8 <= bm <= BM_MAX):      # below 8 rows no MMA shape gains (mma.sync's N is 8)
+        raise ValueError(f"fused_moe prefill: BM_MIN of rows class {cls!r} must be a power of two in [8, {BM_MAX}], "
                          f"got {bm!r}")
     return bm, sw, dn
 
