@@ -190,6 +190,26 @@ def test_grouped_swap_tiles(T, H, E, I, Is, top_k, dtype, pow2, swiglu, down, bm
             compare(got, want, 3e-2, 0.05, f"swap T={T} vs bf16 kernels")
 
 
+@needs_triton
+def test_grouped_sweep_on_the_fp8_tables(monkeypatch):
+    """bench_moe_fp8's grouped sweep (scripts/tune_moe.py grouped_sweep) drives fused_moe_fp8_prefill's TILES and
+    BM_MIN: one swap candidate, a stand-in timer; the combined rows (both kernels swapped, BM 16 and 8) run the op
+    and stay close to the current tiles' output; the tables are restored."""
+    from onegraph.custom_ops.triton import fused_moe_fp8_prefill as pf
+    from onegraph.scripts import tune_moe
+    args, _ = fp8_args(8, 256, 8, 128, 128, 2, BF16, seed=48, pow2=False)
+    swap = (128, 128, 8, 3, True)
+    monkeypatch.setattr(tune_moe, "grouped_tiles", lambda form: [swap])
+    tiles0 = dict(pf.TILES)
+    rows = tune_moe.grouped_sweep(pf, ops.fused_moe_fp8_triton, [tuple(args)], 16, 8, 1e6, "swap",
+                                  lambda fn, cases: 5.0)
+    assert pf.TILES == tiles0 and pf.BM_MIN == {}
+    both = {"swiglu": list(swap), "down": list(swap)}
+    assert [(r["grouped"], r.get("bm_min")) for r in rows[-2:]] == [(both, None), (both, 8)]
+    assert all(r["class"] == "few" and r["us"] == 5.0 for r in rows) and len(rows) == 6
+    assert all(r["max_abs_vs_current"] < 3e-2 for r in rows[-2:])
+
+
 def test_validation_names_the_bad_scale():
     args, _ = fp8_args(1, 192, 8, 136, 136, 2, BF16, seed=0, pow2=True)
     bad = list(args)
@@ -262,6 +282,39 @@ def test_inductor_sees_only_output_and_workspace_writes():
                      "_moe_fp8_down_kernel": {"['y']"}, "_route_kernel": {"['idx', 'w']"},
                      "_grouped_swiglu_fp8_kernel": {"['act']"}, "_grouped_down_fp8_kernel": {"['out']"},
                      "_combine_kernel": {"['out']"}}, lines
+
+
+_SWAP_SM90_SCRIPT = """
+import re, torch
+from onegraph.custom_ops.triton import fused_moe_fp8_prefill as pf, fused_moe_prefill as pm
+from onegraph.scripts import compile_check as cc
+launches = []
+pf.TILES = {**pf.TILES, ("swiglu", "few"): (64, 128, 4, 3, True), ("down", "few"): (64, 128, 4, 3, True)}
+pm.TILES = {**pm.TILES, ("swiglu", "few"): (64, 64, 4, 3, True), ("down", "few"): (64, 64, 4, 3, True)}
+for name, args in cc.cases(64):                    # the 35B shape, a 64-token decode batch: the "few" rows class
+    if name in ("fused_moe", "fused_moe_fp8"):
+        launches += cc.record_launches(name, args)                  # recorded, not run (meta tensors)
+for kernel, grid, a, meta in launches:
+    if meta.get("SWAP"):
+        c = cc.compile_launch(kernel, a, meta, 90)
+        u = cc.ptxas_usage(c.asm["ptx"], 90)
+        mma = sorted(set(re.findall(r"wgmma[.]mma_async[.]sync[.]aligned[.](m[0-9]+n[0-9]+k[0-9]+)", c.asm["ptx"])))
+        print(kernel.fn.__name__, meta["BM"], meta["BN"], mma, u, "smem", c.metadata.shared)
+        assert u["spill_stores"] == 0 and c.metadata.shared <= cc.SMEM_LIMIT, (kernel.fn.__name__, u)
+        assert mma == ["m64n16k16"], (kernel.fn.__name__, mma)        # weight rows on wgmma's M, 16 rows its N
+"""
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
+def test_swap_tiles_compile_to_wgmma_for_sm90():
+    """The point of the swap form, checked without a GPU: at a 64-token decode batch (BM = 16) the swapped grouped
+    kernels (bf16 and FP8) compile for sm_90 to wgmma m64n16k16 (the plain form at BM = 16 is mma.sync m16n8k16),
+    without spills, within shared memory. A plain subprocess (compiled kernels, Triton's bundled ptxas)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _SWAP_SM90_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert len(res.stdout.strip().splitlines()) == 4, res.stdout
 
 
 # ---------------------------------------------------------------- CUDA: the 35B-A3B shape

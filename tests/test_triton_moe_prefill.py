@@ -184,6 +184,39 @@ def test_swap_tiles_match_reference_and_plain_tiles(T, H, E, I, Is, top_k, hot, 
 
 
 @needs_triton
+def test_grouped_sweep_rows(monkeypatch):
+    """scripts/tune_moe.py grouped_sweep (the GPU sweeps of tune_moe --grouped and bench_moe_fp8) on the interpreter
+    with a stand-in timer and two candidates a kernel: a row per candidate, the best swap tiles again on 8-row blocks
+    ("few" rows class), the best tiles of both kernels together checked against the current output, a tile that
+    fails recorded as an error; the module's tables restored."""
+    from onegraph.scripts import tune_moe
+    T, H, E, I, Is, k = 12, 32, 16, 24, 24, 2
+    args = moe_args(T, H, E, I, Is, k, BF16, seed=T)
+    cands = [(64, 64, 4, 3, False), (64, 32, 4, 3, True), (48, 64, 4, 3, True)]     # the last one malformed
+    monkeypatch.setattr(tune_moe, "grouped_tiles", lambda form: cands)
+    speed = {(64, 64, 4, 3, False): 2.0, (64, 32, 4, 3, True): 1.0}
+    seen = []
+
+    def timer(fn, cases):                             # "µs": the candidate's speed (the combined rows run fn)
+        _, sw, dn = prefill_mod.plan(prefill_mod.TILES, prefill_mod.BM_MIN, T * k, E)
+        seen.append((sw, dn))
+        return speed[sw] + speed.get(dn, 3.0)
+
+    tiles0 = dict(prefill_mod.TILES)
+    rows = tune_moe.grouped_sweep(prefill_mod, ops.fused_moe_triton, [tuple(args)], T * k, E, 1e6, "all", timer)
+    assert prefill_mod.TILES == tiles0 and prefill_mod.BM_MIN == {}
+    assert [r["grouped"] for r in rows[:6]] == [{n: list(c)} for n in ("swiglu", "down") for c in cands]
+    assert all("error" in r and "ValueError" in r["error"] for r in (rows[2], rows[5]))
+    assert all(r["class"] == "few" and r["GBps"] == round(1e6 / r["us"] / 1e3, 1) for r in rows if "us" in r)
+    assert [(r["grouped"], r.get("bm_min")) for r in rows[6:8]] == [({"swiglu": list(cands[1])}, 8),
+                                                                    ({"down": list(cands[1])}, 8)]
+    both = {"swiglu": list(cands[1]), "down": list(cands[1])}
+    assert [(r["grouped"], r.get("bm_min")) for r in rows[8:]] == [(both, None), (both, 8)]
+    assert all(r["max_abs_vs_current"] < 2e-2 for r in rows[8:])
+    assert seen[-1] == (cands[1], cands[1])
+
+
+@needs_triton
 def test_plan_reads_class_entries_and_fails_closed():
     """plan: a (kernel, rows class) entry overrides the kernel's; BM_MIN by class (default 16); a malformed tile
     or BM_MIN raises ValueError naming it."""

@@ -202,6 +202,7 @@ def fused_moe_fp8_prefill(x, w, idx, gate_up, gate_up_scale, down, down_scale, s
     y_pair = torch.empty((P, H), dtype=out_dtype, device=x.device)
     _grouped_down(act, table, down, ds, w_pair, y_pair, dn)
 
+    _, sw, dn = plan(TILES, BM_MIN, T, 1)                            # the shared expert: T rows of one expert
     shared = dense_table(T, BM_MAX, x.device)
     act_sh = _grouped_swiglu(x, shared, shared_gate, shared_up, sgs, sus, u0=0, ub0=0, N=Is, topk=1, tile=sw)
     y_sh = torch.empty((T, H), dtype=out_dtype, device=x.device)

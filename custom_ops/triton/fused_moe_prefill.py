@@ -16,7 +16,7 @@ Algorithm (grouped GEMM over expert-sorted pairs; every shape static, so export/
  3. `_grouped_down_kernel`, grid (NB, cdiv(H, BN)): y[pair] = rnd(rnd(act[r] . down_e) * w[pair]),
     written back in pair order [P, H].
  4. The shared expert runs through the same two kernels as ONE group of T rows (ids all 0, no weight),
-    -> y_sh [T, H]. Why not aten mm: Inductor would fuse silu(g) * u without the bf16 roundings the
+    -> y_sh [T, H], on the tiles of its rows class (plan(T, 1)). Why not aten mm: Inductor would fuse silu(g) * u without the bf16 roundings the
     eager reference makes between them; the kernels reproduce them, on the same tensor cores.
  5. `_combine_kernel`, grid (T, cdiv(H, BH)): routed = y[t*k] + y[t*k+1] + ... rounded to x.dtype
     after each add (ascending expert id, as the reference's per-expert loop does; the reference's
@@ -26,9 +26,10 @@ Swap form (a tile option of kernels 2-3, SWAP in TILES): the kernels compute the
 W tile [BN, BK] @ x[rows]^T [BK, BM] -> acc^T [BN, BM] and transpose it before the epilogue. Why: with few rows
 per expert (decode batches: ~2 at 64 tokens of top-8 over 256 experts) the token rows are the MMA's M, and
 Hopper's wgmma needs M = 64 per warpgroup (with BM = 16 Triton falls back to mma.sync m16n8k16); swapped, the
-weight rows (64 / 128) are M, the few tokens N (8..256 in steps of 8), and the weight tile is operand A, which
-wgmma may read from registers (the FP8 kernels' upcast tile need not go through shared memory). The same
-products in fp32 accumulation: results equal the plain form's up to fp32 summation order.
+weight rows (64 / 128) are M, the few tokens N, and the weight tile is operand A, which wgmma may read from
+registers. Compiled for sm_90 (Triton 3.6) at BM = 16 the swapped kernels are wgmma m64n16k16, the FP8 kernels'
+upcast tile a register operand (the bf16 tile stays in shared memory, where its load put it). The same products
+in fp32 accumulation: results equal the plain form's up to fp32 summation order.
 Numerics: fp32 accumulation (fp32 operands in IEEE fp32, not tf32); every rounding of the reference's
 prefill branch to x.dtype is reproduced (`rnd`), so bf16 tracks eager to a rare 1-ulp flip.
 Weight offsets: expert ids are int64 (e * stride exceeds 2^31 elements on large models).
@@ -171,15 +172,16 @@ def _combine_kernel(logits, y_pair, y_sh, out, s_l_t, s_o_t, s_o_h,
 BM_MAX, BN_MAX, BK_MAX = 64, 64, 64
 BH_COMBINE = 256
 
-# Rows classes: the mean rows per routed expert r = cdiv(P, E), static (T, k and E are). At the 35B shape (E 256,
-# top-8) decode batches of 64 / 128 tokens give r = 2 / 4 ("few"), prefill chunks of 512 / 2048 tokens 16 / 64.
+# Rows classes: the mean rows per expert r = cdiv(P, E), static (T, k and E are); the shared expert's r is T. At the
+# 35B shape (E 256, top-8) decode batches of 64 / 128 tokens give the routed pairs r = 2 / 4 ("few"), prefill chunks
+# of 512 / 2048 tokens 16 / 64; the shared expert is "many" from 33 tokens on.
 ROW_CLASSES = ((4, "few"), (32, "mid"))           # r <= 4: "few"; r <= 32: "mid"; above: "many"
 
 # Grouped-kernel tiles (BN cap, BK cap, warps, stages, SWAP) by kernel ("swiglu", "down"); a (kernel, rows class)
 # entry overrides its kernel's for that class. SWAP: the transposed product (module docstring). BM_MIN: a class's
-# smallest block rows, default 16 (a class whose kernels run swapped may take 8: the MMA's N, which Triton pads up
-# to the instruction's). The defaults are the tiles these kernels have had since before the swap form existed (no
-# GPU timing of it yet): `python -m onegraph.scripts.tune_moe --grouped` sweeps both forms at prefill sizes,
+# smallest block rows, default 16; a class run swapped may take 8 (8 rows are exactly mma.sync m16n8k16's N; Triton
+# 3.6 emits wgmma from N = 16). The defaults are the plain tiles these kernels had before the swap form, which is
+# untimed so far: `python -m onegraph.scripts.tune_moe --grouped` sweeps both forms (prefill sizes, decode batch 64),
 # scripts/bench_moe_fp8.py the FP8 kernels' table (fused_moe_fp8_prefill.TILES) at decode batch 64.
 TILES = {"swiglu": (BN_MAX, BK_MAX, 4, 3, False), "down": (BN_MAX, BK_MAX, 4, 3, False)}
 BM_MIN: dict[str, int] = {}
@@ -356,7 +358,9 @@ def fused_moe_prefill(x, w, idx, gate_up, down, shared_gate, shared_up, shared_d
     y_pair = torch.empty((P, H), dtype=out_dtype, device=x.device)
     _grouped_down(act, table, down, w_pair, y_pair, dn)
 
-    # shared expert: one group holding every token -> y_sh [T, H] (the call's tiles)
+    # shared expert: one group holding every token -> y_sh [T, H], on the tiles of its own rows class (T rows of
+    # one expert: at a 64-token decode batch "many", where the routed pairs are "few")
+    _, sw, dn = plan(TILES, BM_MIN, T, 1)
     shared = dense_table(T, BM_MAX, x.device)
     act_sh = _grouped_swiglu(x, shared, shared_gate, shared_up, u0=0, N=Is, topk=1, tile=sw)
     y_sh = torch.empty((T, H), dtype=out_dtype, device=x.device)
