@@ -64,7 +64,7 @@ def _grouped_swiglu_fp8_kernel(x, src, blk_e, blk_row, blk_end, wg, wu, sg, su, 
                 m_xt = mk[:, None] & mr[None, :]
                 xt = tl.load(x_rows[None, :] + kk[:, None] * s_x_h, mask=m_xt, other=0.0)           # [BK, BM]
                 mw = mc[:, None] & mk[None, :]
-                g = tl.load(g_rows[:, None] + kk[None, :] * s_g_h, mask=mw, other=0.0).to(DT)              # [BN, BK]
+                g = tl.load(g_rows[:, None] + kk[None, :] * s_g_h, mask=mw, other=0.0).to(DT)       # [BN, BK]
                 u = tl.load(u_rows[:, None] + kk[None, :] * s_u_h, mask=mw, other=0.0).to(DT)
                 acc_g += mma(g, xt, tl.zeros([BN, BM], tl.float32), DOT_F32) * tl.load(sg_row + h0 // SB)
                 acc_u += mma(u, xt, tl.zeros([BN, BM], tl.float32), DOT_F32) * tl.load(su_row + h0 // SB)
@@ -79,7 +79,7 @@ def _grouped_swiglu_fp8_kernel(x, src, blk_e, blk_row, blk_end, wg, wu, sg, su, 
                 m_xa = mr[:, None] & mk[None, :]
                 xa = tl.load(x_rows[:, None] + kk[None, :] * s_x_h, mask=m_xa, other=0.0)           # [BM, BK]
                 mw = mk[:, None] & mc[None, :]
-                g = tl.load(g_rows[None, :] + kk[:, None] * s_g_h, mask=mw, other=0.0).to(DT)              # [BK, BN]
+                g = tl.load(g_rows[None, :] + kk[:, None] * s_g_h, mask=mw, other=0.0).to(DT)       # [BK, BN]
                 u = tl.load(u_rows[None, :] + kk[:, None] * s_u_h, mask=mw, other=0.0).to(DT)
                 acc_g += mma(xa, g, tl.zeros([BM, BN], tl.float32), DOT_F32) * tl.load(sg_row + h0 // SB)
                 acc_u += mma(xa, u, tl.zeros([BM, BN], tl.float32), DOT_F32) * tl.load(su_row + h0 // SB)

@@ -16,8 +16,9 @@ Algorithm (grouped GEMM over expert-sorted pairs; every shape static, so export/
  3. `_grouped_down_kernel`, grid (NB, cdiv(H, BN)): y[pair] = rnd(rnd(act[r] . down_e) * w[pair]),
     written back in pair order [P, H].
  4. The shared expert runs through the same two kernels as ONE group of T rows (ids all 0, no weight),
-    -> y_sh [T, H], on the tiles of its rows class (plan(T, 1)). Why not aten mm: Inductor would fuse silu(g) * u without the bf16 roundings the
-    eager reference makes between them; the kernels reproduce them, on the same tensor cores.
+    -> y_sh [T, H], on the tiles of its own rows class (plan(T, 1)). Why not aten mm: Inductor would fuse
+    silu(g) * u without the bf16 roundings the eager reference makes between them; the kernels reproduce
+    them, on the same tensor cores.
  5. `_combine_kernel`, grid (T, cdiv(H, BH)): routed = y[t*k] + y[t*k+1] + ... rounded to x.dtype
     after each add (ascending expert id, as the reference's per-expert loop does; the reference's
     exact-zero terms for unselected experts change nothing), then
@@ -75,7 +76,7 @@ def _grouped_swiglu_kernel(x, src, blk_e, blk_row, blk_end, wg, wu, act,
                 m_xt = mk[:, None] & mr[None, :]
                 xt = tl.load(x_rows[None, :] + kk[:, None] * s_x_h, mask=m_xt, other=0.0)           # [BK, BM]
                 mw = mc[:, None] & mk[None, :]
-                g = tl.load(g_rows[:, None] + kk[None, :] * s_g_h, mask=mw, other=0.0)                      # [BN, BK]
+                g = tl.load(g_rows[:, None] + kk[None, :] * s_g_h, mask=mw, other=0.0)              # [BN, BK]
                 u = tl.load(u_rows[:, None] + kk[None, :] * s_u_h, mask=mw, other=0.0)
                 acc_g = mma(g, xt, acc_g, DOT_F32)
                 acc_u = mma(u, xt, acc_u, DOT_F32)
@@ -90,7 +91,7 @@ def _grouped_swiglu_kernel(x, src, blk_e, blk_row, blk_end, wg, wu, act,
                 m_xa = mr[:, None] & mk[None, :]
                 xa = tl.load(x_rows[:, None] + kk[None, :] * s_x_h, mask=m_xa, other=0.0)           # [BM, BK]
                 mw = mk[:, None] & mc[None, :]
-                g = tl.load(g_rows[None, :] + kk[:, None] * s_g_h, mask=mw, other=0.0)                      # [BK, BN]
+                g = tl.load(g_rows[None, :] + kk[:, None] * s_g_h, mask=mw, other=0.0)              # [BK, BN]
                 u = tl.load(u_rows[None, :] + kk[:, None] * s_u_h, mask=mw, other=0.0)
                 acc_g = mma(xa, g, acc_g, DOT_F32)
                 acc_u = mma(xa, u, acc_u, DOT_F32)
