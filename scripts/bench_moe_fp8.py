@@ -1,12 +1,17 @@
 """µs per call of fused_moe (bf16 experts) vs fused_moe_fp8 (block-FP8 experts) at the Qwen3.5-35B-A3B MoE
 shape (H 2048, E 256, I = Is 512, top-8) on one CUDA device, plus a few fp8 decode tile variants.
 
-    python -m onegraph.scripts.bench_moe_fp8 [--batches 1,8,64] [--copies 6] [--out benchmarks/h200_moe_fp8.json]
+    python -m onegraph.scripts.bench_moe_fp8 [--batches 1,8,64] [--copies 6] [--grouped all] [--out ...json]
 
 Timing as scripts/tune_moe.py: one CUDA graph of `copies` calls, each on its own copy of the layer's weights and
 its own input (its own experts, not left in L2 by the call before), replayed; µs per call. GB/s: the expert
 bytes a call must read (distinct routed experts' gate_up + down, and the shared expert) over its time.
-B = 64 (T*k = 512 > E = 256) runs the grouped-GEMM path of both ops.
+B = 64 (T*k = 512 > E = 256) runs the grouped-GEMM path of both ops: there the FP8 grouped kernels' tiles are swept
+(scripts/tune_moe.py grouped_sweep: each candidate of one kernel as its rows-class entry of
+fused_moe_fp8_prefill.TILES, the best swap tiles on 8-row blocks, the best of both kernels together), --grouped
+picking the candidates: plain, swap (the transposed product), all (default) or none. The swap sweep alone:
+
+    python -m onegraph.scripts.bench_moe_fp8 --batches 64 --copies 6 --grouped swap --out h200_moe_fp8_b64_swap.json
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ import torch
 import onegraph.custom_ops.triton  # noqa: F401  (registers the triton ops)
 from onegraph.custom_ops.triton import fused_moe_fp8 as fp8mod
 from onegraph.scripts.bench_ops import MOE, rand, time_graph
-from onegraph.scripts.tune_moe import set_tiles
+from onegraph.scripts.tune_moe import grouped_sweep, set_tiles
 
 BLOCK = 128
 
@@ -53,6 +58,9 @@ def main(argv=None) -> int:
     ap.add_argument("--copies", type=int, default=6)
     ap.add_argument("--wide", action="store_true",
                     help="B = 1: every (rows, K tile, warps) of each kernel instead of the short list")
+    ap.add_argument("--grouped", choices=("plain", "swap", "all", "none"), default="all",
+                    help="B * top_k > E: which grouped-kernel tiles to sweep (tune_moe.grouped_tiles; none: only "
+                         "the current ones)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     H, E, I, Is, k = (MOE[x] for x in ("H", "E", "I", "Is", "top_k"))
@@ -108,21 +116,9 @@ def main(argv=None) -> int:
                                    "error": f"{type(e).__name__}: {str(e)[:200]}"})
             finally:
                 set_fp8_tiles(B, *base)
-        if B * k > E:                                     # the grouped kernels' (BN, BK, warps, stages)
+        if B * k > E and a.grouped != "none":         # the grouped kernels' (BN, BK, warps, stages, swap), BM_MIN
             from onegraph.custom_ops.triton import fused_moe_fp8_prefill as pre
-            grouped = dict(pre.TILES)
-            cands = [(bn, bk, w, st) for bn, bk, w, st in itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 4))
-                     if bn * bk <= 8192]
-            for name in ("swiglu", "down"):
-                for c in cands:
-                    pre.TILES = {**grouped, name: c}
-                    try:
-                        us = per_call(ops.fused_moe_fp8_triton, f8_cases)
-                        row["fp8"].append({"grouped": {name: c}, "us": round(us, 2), "GBps": round(nbytes / us / 1e3, 1)})
-                    except Exception as e:  # a tile that does not compile: recorded, the sweep goes on
-                        row["fp8"].append({"grouped": {name: c}, "error": f"{type(e).__name__}: {str(e)[:120]}"})
-                    finally:
-                        pre.TILES = grouped
+            row["fp8"] += grouped_sweep(pre, ops.fused_moe_fp8_triton, f8_cases, B * k, E, nbytes, a.grouped, per_call)
         if B == 1:                                        # the best tiles again, routed by _route_kernel first
             from onegraph.custom_ops.triton import fused_moe as fm
             for r in sorted((r for r in row["fp8"] if "us" in r), key=lambda r: r["us"])[:3]:

@@ -17,6 +17,19 @@ token 0's), next to independent random routing (its mean distinct count recorded
 B tokens read ~k*B experts; trained ones share experts between consecutive tokens. With --fp8 the same rows for
 fused_moe_fp8 (the experts and shared expert quantized to block FP8 as scripts/bench_moe_fp8.py does).
 
+--grouped [plain|swap|all]: the grouped-GEMM kernels instead (custom_ops/triton/fused_moe_prefill.py, taken when
+T*top_k > E: prefill chunks, decode batches past E / k), --batches are token counts T:
+
+    python -m onegraph.scripts.tune_moe --grouped --batches 512 --out moe_grouped_t512.json
+    python -m onegraph.scripts.tune_moe --grouped swap --batches 64 --out moe_grouped_b64.json
+
+per T: the current tiles, then each candidate (BN cap, BK cap, warps, stages, swap) of one kernel, the other at its
+current tile, set as its (kernel, rows class) entry (fused_moe_prefill.plan); in the "few" rows class (<= 4 rows
+per expert) the best swap tiles again on 8-row blocks (BM_MIN 8); then the best SwiGLU and down tiles together,
+their output against the current tiles' (max abs). µs per call and GB/s of the expert bytes a call must read (the
+distinct routed experts' gate_up + down and the shared expert, bf16). plain: the (BN, BK) grid bench_moe_fp8 sweeps
+for the FP8 kernels; swap: the transposed product (weight rows on the MMA's M), 4 warps per 64 weight rows.
+
 Each timing is one CUDA graph of `copies` calls, each on its own copy of the layer's weights and its
 own input (so its own experts): in a model every layer reads experts no earlier call left in L2. (A
 sweep that called one layer's weights again and again let them sit in L2, and ranked the tiles by
@@ -90,6 +103,100 @@ def distinct_experts(fn, weights, batches, distinct, g, k: int, E: int) -> list[
     return rows
 
 
+def grouped_tiles(form: str) -> list[tuple]:
+    """(BN cap, BK cap, warps, stages, swap) candidates of one grouped kernel: "plain", "swap" or "all". The caps
+    divide 128 (the FP8 kernels' block: a tile takes one scale). Swap: BN weight rows are the MMA's M (wgmma: 64
+    per warpgroup of 4 warps; 32 rows run mma.sync on 2 warps)."""
+    plain = [(bn, bk, w, st, False) for bn, bk, w, st in itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 4))
+             if bn * bk <= 8192]
+    swap = [(bn, bk, w, st, True) for (bn, w), bk, st in itertools.product(((32, 2), (64, 4), (128, 4), (128, 8)),
+                                                                          (64, 128), (3, 4))]
+    return {"plain": plain, "swap": swap, "all": plain + swap}[form]
+
+
+def grouped_sweep(mod, fn, cases, P: int, E: int, nbytes: float, form: str, timer) -> list[dict]:
+    """Rows of a sweep of `mod`'s grouped kernels (fused_moe_prefill or fused_moe_fp8_prefill: their TILES and
+    BM_MIN) over the calls `cases` of `fn`, P routed pairs over E experts (module docstring, --grouped). Each row:
+    {"grouped": {kernel: tile}, "class", ["bm_min"], "us", "GBps" (nbytes per call over its time) | "error"}; the
+    combined rows add "max_abs_vs_current". timer(fn, cases) -> µs per call. The module's tables are restored."""
+    from onegraph.custom_ops.triton.fused_moe_prefill import row_class      # both modules' rows classes
+    cls = row_class(P, E)
+    tiles0, bm0 = dict(mod.TILES), dict(mod.BM_MIN)
+    ref = fn(*cases[0])
+    rows = []
+
+    def run(tiles: dict, bm=None, check=False) -> dict:
+        row = {"grouped": {name: list(t) for name, t in tiles.items()}, "class": cls}
+        if bm:
+            row["bm_min"] = bm
+        mod.TILES = {**tiles0, **{(name, cls): t for name, t in tiles.items()}}
+        mod.BM_MIN = {**bm0, cls: bm} if bm else bm0
+        try:
+            us = timer(fn, cases)
+            row.update(us=round(us, 2), GBps=round(nbytes / us / 1e3, 1))
+            if check:
+                row["max_abs_vs_current"] = (fn(*cases[0]).float() - ref.float()).abs().max().item()
+        except Exception as e:  # a tile that does not compile: recorded, the sweep goes on
+            row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+        finally:
+            mod.TILES, mod.BM_MIN = tiles0, bm0
+        rows.append(row)
+        return row
+
+    def ranked(name: str, swap=None) -> list[dict]:
+        """The timed rows of `name` alone (one form, or either), on the current BM_MIN, fastest first."""
+        return sorted((r for r in rows if "us" in r and "bm_min" not in r and list(r["grouped"]) == [name]
+                       and swap in (None, r["grouped"][name][4])), key=lambda r: r["us"])
+
+    for name in ("swiglu", "down"):
+        for c in grouped_tiles(form):
+            run({name: c})
+    few = -(-P // E) <= 8                             # <= 8 rows per expert: BM_MIN 8 makes 8-row blocks (not 16)
+    if few and form != "plain":
+        for name in ("swiglu", "down"):
+            for r in ranked(name, True)[:3]:
+                run({name: tuple(r["grouped"][name])}, bm=8)
+    combos = []                                       # the best tiles of both kernels together: any form, then swap
+    for swap in (None, True):
+        if all(ranked(name, swap) for name in ("swiglu", "down")):
+            tiles = {name: tuple(ranked(name, swap)[0]["grouped"][name]) for name in ("swiglu", "down")}
+            if tiles not in combos:
+                combos.append(tiles)
+    for tiles in combos:
+        for bm in (None, 8) if few else (None,):
+            run(tiles, bm=bm, check=True)
+    return rows
+
+
+def grouped_main(args, weights, g, H: int, E: int, I: int, Is: int, k: int) -> list[dict]:
+    """--grouped: per T, the bf16 grouped kernels at their current tiles, then grouped_sweep's rows."""
+    from onegraph.custom_ops.triton import fused_moe_prefill as pre
+    from onegraph.scripts.bench_ops import rand
+    fn, out = torch.ops.onegraph.fused_moe_triton, []
+    for T in args.batches:
+        cases = []
+        for router, *experts, sgw in weights:
+            x = rand(g, T, H)
+            cases.append((x, torch.nn.functional.linear(x, torch.cat([router, sgw])), *experts, k))
+        distinct = sum(c[1][:, :E].float().topk(k).indices.unique().numel() for c in cases) / len(cases)
+        nbytes = 2 * (distinct * 3 * I * H + 3 * Is * H)             # bf16 bytes of the experts a call reads
+        P = T * k
+        _, sw, dn = pre.plan(pre.TILES, pre.BM_MIN, P, E)
+        us = time_copies(fn, cases)
+        row = {"T": T, "class": pre.row_class(P, E), "distinct_experts": distinct, "expert_GB": round(nbytes / 1e9, 3),
+               "current": {"swiglu": list(sw), "down": list(dn)}, "current_us": round(us, 2),
+               "current_GBps": round(nbytes / us / 1e3, 1),
+               "grouped": grouped_sweep(pre, fn, cases, P, E, nbytes, args.grouped, time_copies)}
+        ok = [r for r in row["grouped"] if "us" in r]
+        row["best"] = min(ok, key=lambda r: r["us"]) if ok else None
+        print(f"T={T:5d} ({row['class']}, {distinct:.1f} experts, {row['expert_GB']} GB)  current {us:8.2f} us "
+              f"({row['current_GBps']} GB/s)  best {json.dumps(row['best'])}", flush=True)
+        for r in row["grouped"]:
+            print("      ", json.dumps(r), flush=True)
+        out.append(row)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 8])
@@ -98,16 +205,27 @@ def main(argv=None) -> int:
     ap.add_argument("--distinct-experts", type=lambda v: [int(x) for x in v.split(",")], default=[],
                     help="the verify's MoE against its distinct experts (docstring)")
     ap.add_argument("--fp8", action="store_true", help="--distinct-experts: the block-FP8 op (docstring)")
+    ap.add_argument("--grouped", nargs="?", const="all", choices=("plain", "swap", "all"),
+                    help="sweep the grouped-GEMM kernels at --batches tokens (T*top_k > E; docstring)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    from onegraph.custom_ops.triton import fused_moe as mod
     from onegraph.scripts.bench_ops import MOE, rand
-    g = torch.Generator(device="cuda").manual_seed(0)
     H, E, I, Is, k = (MOE[x] for x in ("H", "E", "I", "Is", "top_k"))
+    if args.grouped and any(T * k <= E for T in args.batches):
+        ap.error(f"--grouped times the grouped kernels: every T in --batches needs T * {k} > {E}")
+    from onegraph.custom_ops.triton import fused_moe as mod
+    g = torch.Generator(device="cuda").manual_seed(0)
     weights = [(rand(g, E, H, scale=H ** -0.5), rand(g, E, 2 * I, H, scale=H ** -0.5), rand(g, E, H, I, scale=I ** -0.5),
                 rand(g, Is, H, scale=H ** -0.5), rand(g, Is, H, scale=H ** -0.5), rand(g, H, Is, scale=Is ** -0.5),
                 rand(g, 1, H, scale=H ** -0.5)) for _ in range(args.copies)]
     base = {"many": (mod.BI1, mod.BH1, mod.W1, mod.BH2, mod.BI2, mod.W2), "one": mod.SWIGLU_ONE + mod.DOWN_ONE}
+    if args.grouped:
+        res = {"command": "python -m onegraph.scripts.tune_moe " + " ".join(sys.argv[1:] if argv is None else argv),
+               "device": torch.cuda.get_device_name(), "copies": args.copies,
+               "rows": grouped_main(args, weights, g, H, E, I, Is, k)}
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+        return 0
 
     # 1-2 warps too: a routed program's in-kernel routing is j + 1 block reductions, cheaper the fewer warps
     # it spans, and smaller programs fit more per SM. Tiles whose fp32 accumulators would take more than 64

@@ -157,6 +157,59 @@ def test_kernels_match_reference_with_checkpoint_scales(T, H, E, I, Is, top_k, d
         compare(got, ref, 1e-4, 1.0, f"T={T}")
 
 
+@needs_triton
+@pytest.mark.parametrize("T,H,E,I,Is,top_k,dtype,pow2,swiglu,down,bm_min", [
+    # partial edge blocks (H 192, I 136); power-of-two scales: bit for bit the bf16 kernels' swap form
+    (6, 192, 8, 136, 136, 2, BF16, True, (64, 128, 4, 3, True), (32, 64, 4, 3, True), {}),
+    # whole blocks (H 256, I 128), checkpoint scales, tiles of one whole 128x128 block, 8-row blocks
+    (8, 256, 8, 128, 128, 2, BF16, False, (128, 128, 8, 3, True), (128, 128, 8, 3, True), {"few": 8}),
+    (8, 256, 8, 128, 128, 2, torch.float32, False, (128, 128, 8, 3, True), (128, 64, 4, 3, True), {"few": 8}),
+])
+def test_grouped_swap_tiles(T, H, E, I, Is, top_k, dtype, pow2, swiglu, down, bm_min, monkeypatch):
+    """The grouped kernels' swap form (the upcast e4m3 tile [BN, BK] @ x^T [BK, BM], scaled per tile): against the
+    op's reference (test_kernels_match_reference_with_checkpoint_scales' tolerances) and the plain tiles' output
+    (the same products in another fp32 order: close). Power-of-two scales: against fused_moe's bf16 kernels, run
+    swapped on the same tiles over the dequantized weights: bit for bit on the interpreter."""
+    from onegraph.custom_ops.triton import fused_moe_fp8_prefill as pf, fused_moe_prefill as pm
+    args, float_args = fp8_args(T, H, E, I, Is, top_k, dtype, seed=40 + T, pow2=pow2)
+    assert T * top_k > E and pm.row_class(T * top_k, E) == "few"
+    plain = ops.fused_moe_fp8_triton(*args)
+    for mod in (pf, pm):
+        monkeypatch.setattr(mod, "TILES", {**mod.TILES, ("swiglu", "few"): swiglu, ("down", "few"): down})
+        monkeypatch.setattr(mod, "BM_MIN", bm_min)
+    got, ref = ops.fused_moe_fp8_triton(*args), reference_fused_moe_fp8(*args)
+    assert got.dtype == dtype
+    tol = (3e-2, 0.05) if dtype == BF16 else (1e-4, 1.0)
+    compare(got, ref, *tol, f"swap T={T} vs reference")
+    compare(got, plain, *tol, f"swap T={T} vs plain tiles")
+    if pow2:
+        want = ops.fused_moe_triton(*float_args)
+        if INTERPRETED:
+            assert torch.equal(got, want), f"T={T}: max diff {(got.float() - want.float()).abs().max().item():.3g}"
+        else:
+            compare(got, want, 3e-2, 0.05, f"swap T={T} vs bf16 kernels")
+
+
+@needs_triton
+def test_grouped_sweep_on_the_fp8_tables(monkeypatch):
+    """bench_moe_fp8's grouped sweep (scripts/tune_moe.py grouped_sweep) drives fused_moe_fp8_prefill's TILES and
+    BM_MIN: one swap candidate, a stand-in timer; the combined rows (both kernels swapped, BM 16 and 8) run the op
+    and stay close to the current tiles' output; the tables are restored."""
+    from onegraph.custom_ops.triton import fused_moe_fp8_prefill as pf
+    from onegraph.scripts import tune_moe
+    args, _ = fp8_args(8, 256, 8, 128, 128, 2, BF16, seed=48, pow2=False)
+    swap = (128, 128, 8, 3, True)
+    monkeypatch.setattr(tune_moe, "grouped_tiles", lambda form: [swap])
+    tiles0 = dict(pf.TILES)
+    rows = tune_moe.grouped_sweep(pf, ops.fused_moe_fp8_triton, [tuple(args)], 16, 8, 1e6, "swap",
+                                  lambda fn, cases: 5.0)
+    assert pf.TILES == tiles0 and pf.BM_MIN == {}
+    both = {"swiglu": list(swap), "down": list(swap)}
+    assert [(r["grouped"], r.get("bm_min")) for r in rows[-2:]] == [(both, None), (both, 8)]
+    assert all(r["class"] == "few" and r["us"] == 5.0 for r in rows) and len(rows) == 6
+    assert all(r["max_abs_vs_current"] < 3e-2 for r in rows[-2:])
+
+
 def test_validation_names_the_bad_scale():
     args, _ = fp8_args(1, 192, 8, 136, 136, 2, BF16, seed=0, pow2=True)
     bad = list(args)
@@ -199,7 +252,8 @@ launches = []
 m.launch = bf16_mod.launch = pf.launch = lambda kernel, grid, *a, **meta: launches.append((kernel, a, meta))
 e4, f32, bf = torch.float8_e4m3fn, torch.float32, torch.bfloat16
 t = lambda dt, *s: torch.empty(*s, dtype=dt, device="meta")        # recorded launches: never run
-for T in (1, 6):                                   # the decode kernels, then the grouped GEMMs (T*k > E)
+for T, swap in ((1, False), (6, False), (6, True)):  # the decode kernels, the grouped GEMMs (T*k > E), swapped
+    pf.TILES = {name: (*tile[:4], swap) for name, tile in pf.TILES.items()}
     m.fused_moe_fp8_triton(t(bf, T, 192), t(bf, T, 9), t(e4, 8, 272, 192), t(f32, 8, 4, 2), t(e4, 8, 192, 136),
                            t(f32, 8, 2, 2), t(e4, 136, 192), t(f32, 2, 2), t(e4, 136, 192), t(f32, 2, 2),
                            t(e4, 192, 136), t(f32, 2, 2), 2)
@@ -212,8 +266,9 @@ for kernel, a, meta in launches:
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
 def test_inductor_sees_only_output_and_workspace_writes():
-    """Inductor's TTIR mutation analysis understands every kernel and finds no write to an input (x, logits, the
-    e4m3 weights, their scales): AOTInductor then neither clones the expert weights nor assumes them mutated.
+    """Inductor's TTIR mutation analysis understands every kernel (the grouped ones in both forms, plain and swap)
+    and finds no write to an input (x, logits, the e4m3 weights, their scales): AOTInductor then neither clones
+    the expert weights nor assumes them mutated.
     A plain subprocess (compiled kernels, no GPU)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = TTIR_WRITES + _MUTATION_SCRIPT
@@ -227,6 +282,39 @@ def test_inductor_sees_only_output_and_workspace_writes():
                      "_moe_fp8_down_kernel": {"['y']"}, "_route_kernel": {"['idx', 'w']"},
                      "_grouped_swiglu_fp8_kernel": {"['act']"}, "_grouped_down_fp8_kernel": {"['out']"},
                      "_combine_kernel": {"['out']"}}, lines
+
+
+_SWAP_SM90_SCRIPT = """
+import re, torch
+from onegraph.custom_ops.triton import fused_moe_fp8_prefill as pf, fused_moe_prefill as pm
+from onegraph.scripts import compile_check as cc
+launches = []
+pf.TILES = {**pf.TILES, ("swiglu", "few"): (64, 128, 4, 3, True), ("down", "few"): (64, 128, 4, 3, True)}
+pm.TILES = {**pm.TILES, ("swiglu", "few"): (64, 64, 4, 3, True), ("down", "few"): (64, 64, 4, 3, True)}
+for name, args in cc.cases(64):                    # the 35B shape, a 64-token decode batch: the "few" rows class
+    if name in ("fused_moe", "fused_moe_fp8"):
+        launches += cc.record_launches(name, args)                  # recorded, not run (meta tensors)
+for kernel, grid, a, meta in launches:
+    if meta.get("SWAP"):
+        c = cc.compile_launch(kernel, a, meta, 90)
+        u = cc.ptxas_usage(c.asm["ptx"], 90)
+        mma = sorted(set(re.findall(r"wgmma[.]mma_async[.]sync[.]aligned[.](m[0-9]+n[0-9]+k[0-9]+)", c.asm["ptx"])))
+        print(kernel.fn.__name__, meta["BM"], meta["BN"], mma, u, "smem", c.metadata.shared)
+        assert u["spill_stores"] == 0 and c.metadata.shared <= cc.SMEM_LIMIT, (kernel.fn.__name__, u)
+        assert mma == ["m64n16k16"], (kernel.fn.__name__, mma)        # weight rows on wgmma's M, 16 rows its N
+"""
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
+def test_swap_tiles_compile_to_wgmma_for_sm90():
+    """The point of the swap form, checked without a GPU: at a 64-token decode batch (BM = 16) the swapped grouped
+    kernels (bf16 and FP8) compile for sm_90 to wgmma m64n16k16 (the plain form at BM = 16 is mma.sync m16n8k16),
+    without spills, within shared memory. A plain subprocess (compiled kernels, Triton's bundled ptxas)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _SWAP_SM90_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert len(res.stdout.strip().splitlines()) == 4, res.stdout
 
 
 # ---------------------------------------------------------------- CUDA: the 35B-A3B shape

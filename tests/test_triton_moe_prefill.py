@@ -116,11 +116,14 @@ def aten_pair_table(idx, w, E, BM):
 
 
 @needs_triton
-@pytest.mark.parametrize("T,E,k,hot", [(20, 6, 2, 2), (37, 16, 4, None), (3, 8, 3, None), (130, 64, 8, 5)])
-def test_pair_table_kernel_is_the_aten_table(T, E, k, hot):
+@pytest.mark.parametrize("T,E,k,hot,bm_min,BM", [(20, 6, 2, 2, 16, 16), (37, 16, 4, None, 16, 16),
+                                                (3, 8, 3, None, 16, 16), (130, 64, 8, 5, 16, 32),
+                                                (90, 64, 4, 5, 8, 8)])
+def test_pair_table_kernel_is_the_aten_table(T, E, k, hot, bm_min, BM):
     """routed_table (one Triton kernel) gives exactly the aten table: weights per pair, rows sorted by expert
     then token, blocks (idle experts, an expert spanning several blocks, the unused tail). Then the table's
-    own properties: each used block inside one expert's run, every row covered once, unused blocks empty."""
+    own properties: each used block inside one expert's run, every row covered once, unused blocks empty.
+    bm_min 8 (a rows class's BM_MIN, for the swap tiles): 8-row blocks, the hot expert's 90 rows in 12."""
     g = torch.Generator().manual_seed(T)
     logits = torch.randn(T, E, generator=g)
     if hot is not None:
@@ -128,7 +131,8 @@ def test_pair_table_kernel_is_the_aten_table(T, E, k, hot):
     logits[:, 1] -= 9.0                                     # an idle expert
     w, idx = route(logits.to(BF16), k)
     idx, w = idx.to(DEVICE), w.to(DEVICE)
-    w_pair, (src, blk_e, blk_row, blk_end, BM) = prefill_mod.routed_table(idx, w, E)
+    w_pair, (src, blk_e, blk_row, blk_end, got_bm) = prefill_mod.routed_table(idx, w, E, bm_min)
+    assert got_bm == BM
     want_w, want, ids = aten_pair_table(idx.cpu(), w.cpu(), E, BM)
     assert torch.equal(w_pair.cpu(), want_w)
     for got, ref, name in zip((src, blk_e, blk_row, blk_end), want, ("src", "blk_e", "blk_row", "blk_end")):
@@ -144,6 +148,91 @@ def test_pair_table_kernel_is_the_aten_table(T, E, k, hot):
         assert rows.numel() > 0 and (ids[src[rows]] == e).all()
         seen[rows] += 1
     assert (seen == 1).all()
+
+
+SWAP = (64, 64, 4, 3, True)       # (BN cap, BK cap, warps, stages, swap): the transposed product
+
+
+@needs_triton
+@pytest.mark.parametrize("T,H,E,I,Is,top_k,hot,cold,dtype,tiles,bm_min", [
+    # every grouped kernel swapped; rows class "mid" (14 rows per expert), BM 16; bf16 roundings, fp32_out
+    pytest.param(35, 48, 8, 24, 40, 3, (), (5,), BF16, {"swiglu": SWAP, "down": SWAP}, {}, id="35-bf16"),
+    # BM_MIN 8: the hot expert's 65 rows in 9 blocks of 8, the shared expert's 65 in 2 of 64
+    pytest.param(65, 40, 16, 32, 16, 2, (3,), (0, 1, 2, 9), torch.float32, {"swiglu": SWAP, "down": SWAP},
+                 {"mid": 8}, id="65-fp32-bm8"),
+    # rows class "few" (2 rows per expert) by its own entry: SwiGLU swapped (128-row tile, 8 warps), down plain
+    pytest.param(12, 32, 16, 24, 24, 2, (), (), BF16, {("swiglu", "few"): (128, 32, 8, 4, True)}, {"few": 8},
+                 id="12-bf16-few"),
+])
+def test_swap_tiles_match_reference_and_plain_tiles(T, H, E, I, Is, top_k, hot, cold, dtype, tiles, bm_min,
+                                                    monkeypatch):
+    """The swap form (weight tile [BN, BK] @ x^T [BK, BM]) against the reference at test_prefill_matches_reference's
+    tolerances, and against the plain tiles' output (the same products summed in another fp32 order: close)."""
+    args = moe_args(T, H, E, I, Is, top_k, dtype, seed=T, hot=hot, cold=cold)
+    assert T * top_k > E
+    plain = ops.fused_moe_triton(*args)
+    monkeypatch.setattr(prefill_mod, "TILES", {**prefill_mod.TILES, **tiles})
+    monkeypatch.setattr(prefill_mod, "BM_MIN", bm_min)
+    bm, sw, dn = prefill_mod.plan(prefill_mod.TILES, prefill_mod.BM_MIN, T * top_k, E)
+    assert sw[4] and dn[4] == ("down" in tiles) and bm == bm_min.get(prefill_mod.row_class(T * top_k, E), 16)
+    got, ref = ops.fused_moe_triton(*args), reference_fused_moe(*args)
+    tol = (1e-4, 1.0) if dtype == torch.float32 else (2e-2, 1e-3)
+    compare(got, ref, *tol, f"swap T={T}")
+    compare(got, plain, *tol, f"swap vs plain T={T}")
+    if T == 35:
+        compare(ops.fused_moe_triton(*args, True), reference_fused_moe(*args, True), 1e-4, 1.0, "swap fp32_out")
+
+
+@needs_triton
+def test_grouped_sweep_rows(monkeypatch):
+    """scripts/tune_moe.py grouped_sweep (the GPU sweeps of tune_moe --grouped and bench_moe_fp8) on the interpreter
+    with a stand-in timer and two candidates a kernel: a row per candidate, the best swap tiles again on 8-row blocks
+    ("few" rows class), the best tiles of both kernels together checked against the current output, a tile that
+    fails recorded as an error; the module's tables restored."""
+    from onegraph.scripts import tune_moe
+    T, H, E, I, Is, k = 12, 32, 16, 24, 24, 2
+    args = moe_args(T, H, E, I, Is, k, BF16, seed=T)
+    cands = [(64, 64, 4, 3, False), (64, 32, 4, 3, True), (48, 64, 4, 3, True)]     # the last one malformed
+    monkeypatch.setattr(tune_moe, "grouped_tiles", lambda form: cands)
+    speed = {(64, 64, 4, 3, False): 2.0, (64, 32, 4, 3, True): 1.0}
+    seen = []
+
+    def timer(fn, cases):                             # "µs": the candidate's speed (the combined rows run fn)
+        _, sw, dn = prefill_mod.plan(prefill_mod.TILES, prefill_mod.BM_MIN, T * k, E)
+        seen.append((sw, dn))
+        return speed[sw] + speed.get(dn, 3.0)
+
+    tiles0 = dict(prefill_mod.TILES)
+    rows = tune_moe.grouped_sweep(prefill_mod, ops.fused_moe_triton, [tuple(args)], T * k, E, 1e6, "all", timer)
+    assert prefill_mod.TILES == tiles0 and prefill_mod.BM_MIN == {}
+    assert [r["grouped"] for r in rows[:6]] == [{n: list(c)} for n in ("swiglu", "down") for c in cands]
+    assert all("error" in r and "ValueError" in r["error"] for r in (rows[2], rows[5]))
+    assert all(r["class"] == "few" and r["GBps"] == round(1e6 / r["us"] / 1e3, 1) for r in rows if "us" in r)
+    assert [(r["grouped"], r.get("bm_min")) for r in rows[6:8]] == [({"swiglu": list(cands[1])}, 8),
+                                                                    ({"down": list(cands[1])}, 8)]
+    both = {"swiglu": list(cands[1]), "down": list(cands[1])}
+    assert [(r["grouped"], r.get("bm_min")) for r in rows[8:]] == [(both, None), (both, 8)]
+    assert all(r["max_abs_vs_current"] < 2e-2 for r in rows[8:])
+    assert seen[-1] == (cands[1], cands[1])
+
+
+@needs_triton
+def test_plan_reads_class_entries_and_fails_closed():
+    """plan: a (kernel, rows class) entry overrides the kernel's; BM_MIN by class (default 16); a malformed tile
+    or BM_MIN raises ValueError naming it."""
+    rc, plan = prefill_mod.row_class, prefill_mod.plan
+    assert (rc(512, 256), rc(1024, 256), rc(4096, 256), rc(8192, 256), rc(16384, 256)) == \
+        ("few", "few", "mid", "mid", "many")                  # the 35B shape: B = 64, 128; T = 512, 1024, 2048
+    plain, swap = (64, 64, 4, 3, False), (128, 64, 8, 3, True)
+    tiles = {"swiglu": plain, "down": plain, ("down", "few"): swap}
+    assert plan(tiles, {"few": 8}, 512, 256) == (8, plain, swap)
+    assert plan(tiles, {"few": 8}, 4096, 256) == (16, plain, plain)
+    for bad in ((64, 64, 4, 3), (48, 64, 4, 3, True), (64, 8, 4, 3, True), (64, 64, 3, 3, False), (64, 64, 4, 3, 1)):
+        with pytest.raises(ValueError, match="down tile of rows class 'few'"):
+            plan({**tiles, ("down", "few"): bad}, {}, 512, 256)
+    for bad in (4, 24, 128):
+        with pytest.raises(ValueError, match="BM_MIN of rows class 'mid'"):
+            plan(tiles, {"mid": bad}, 4096, 256)
 
 
 @needs_triton
