@@ -244,8 +244,9 @@ def test_fp8_with_tensor_parallel_is_refused(fp8_dir):
 
 def test_cli_export_quant_fp8_records_the_scheme_and_replays_its_eager_model(tmp_path, capsys):
     """`onegraph export tiny --quant fp8 --fp8-lm-head`: FP8 weights (the head's too) in the artifact, the scheme
-    and the head option in the manifest's options and in `onegraph inspect`, the load-time fixture (recorded from
-    the FP8 eager model) passes, and the graphs call no Python op. (The float head of a `--quant fp8` export is the
+    and the head option in the manifest's options and in `onegraph inspect`, as are the projection groups (the GDN
+    in_proj one launch with its float tail), the load-time fixture (recorded from the FP8 eager model) passes, and
+    the graphs call no Python op. (The float head of a `--quant fp8` export is the
     float model's head, covered by every other artifact test, and on the GPU by the test below.)"""
     from safetensors import safe_open
 
@@ -257,6 +258,9 @@ def test_cli_export_quant_fp8_records_the_scheme_and_replays_its_eager_model(tmp
                      "--max-seq-len", "64", "--quant", "fp8", "--fp8-lm-head", "--quiet", "--no-cache"]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["options"]["quant"] == "fp8" and manifest["options"]["fp8_lm_head"] is True
+    groups = manifest["projection_groups"]                # the GDN [b; a] rides in its e4m3 run's launch
+    assert groups["linear_attn.in_proj"] == {"e4m3 384 with float32 tail 8": 3}, groups
+    assert groups["self_attn.qkv_proj"] == {"e4m3 320 + e4m3 64": 1}, groups      # [q; k] + [v]: k is half a block
     with safe_open(str(out / "weights.safetensors"), "pt") as f:
         fp8 = [k for k in f.keys() if f.get_slice(k).get_dtype() == "F8_E4M3"]
     assert "model.layers.3.self_attn.o_proj.weight" in fp8 and "model.lm_head.weight" in fp8
@@ -265,6 +269,7 @@ def test_cli_export_quant_fp8_records_the_scheme_and_replays_its_eager_model(tmp
     assert cli.main(["inspect", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "'quant': 'fp8'" in printed and "lm_head block fp8" in printed
+    assert "linear_attn.in_proj e4m3 384 with float32 tail 8 x3" in printed
     ex = GraphExecutor.from_artifact(out, max_slots=1)
     assert ex.fixture_report["max_logit_diff"] <= 1e-4 and not ex.fixture_report["routing_flips"]
     PYTHON_CALLS.clear()
