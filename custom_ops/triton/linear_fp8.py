@@ -17,8 +17,9 @@ for BM rows of x (the programs past cdiv(N, BN) read the float tail's rows, belo
 The tile (BM, BN, BK, warps, stages) depends on (M class, K) only, never on N, so a weight concatenated
 along N (models/qwen3_5/fuse.py) gives bit-identical columns to the separate weights, as custom_ops/triton/linear.py.
 The float tail (linear_fp8's `tail`, an FP8 model's GDN [b; a] rows): cdiv(Nt, BN) more programs of the same launch
-take its rows at the same tile, in the same K order, without the scales (the dot path accumulates them in one fp32
-accumulator instead of per block), and write columns N.. of y. So the FP8 columns are the tail-free launch's bits
+take its rows at the same tile, without the scales (the dot path accumulates them in one fp32 accumulator instead of
+per block; the K-looped REGS form at half the K tile, so its bf16 tile needs no more registers than the e4m3 one),
+and write columns N.. of y. So the FP8 columns are the tail-free launch's bits
 and the tail costs no launch of its own (~2 us each at batch 1: 30 a 35B decode step); the tail columns depend on
 (M class, K) only too, not on N or Nt. In the REGS form the tail programs multiply the same normed row.
 The Triton 3.6 interpreter (CPU tests) loads float8_e4m3fn pointers and converts every finite e4m3 value
@@ -45,8 +46,8 @@ def _fp8_kernel(x, w, s, t, y, M, N, NT, s_x_m, s_w_n, s_s_n, s_t_n, s_y_m, res,
                 K: tl.constexpr, SB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                 DOT: tl.constexpr, DOT_F32: tl.constexpr, REGS: tl.constexpr, TAIL: tl.constexpr):
     """y[m-tile, n-tile] = x[m-tile] @ (fp32(w) * s)[n-tile].T; x, w, t contiguous along K; SB = 128.
-    TAIL (a float tail t [NT, K]): the programs after the cdiv(N, BN) FP8 ones take t's rows BN at a time, with the
-    same tile and K order, unscaled, and write columns N.. of y (row stride N + NT). Without it the launch is the
+    TAIL (a float tail t [NT, K]): the programs after the cdiv(N, BN) FP8 ones take t's rows BN at a time, at the
+    same tile (_rows), unscaled, and write columns N.. of y (row stride N + NT). Without it the launch is the
     FP8 rows' alone (the branch is compiled out).
     REGS (add_rms_norm_linear_fp8 at M == 1, BK = next_pow2(K)): the rows multiplied are add_rms_norm's normed
     row, made in registers as custom_ops/triton/linear.py's REGS path makes it (program 0 writes normed and h)."""
