@@ -407,6 +407,8 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
         "weight_shapes": {n: list(t.shape) for n, t in weights.items()},
         "fixture": "fixture.safetensors", "timings_s": timings, "speculative_tokens": k,
     }
+    if family(cfg).projection_groups is not None:     # rank 0's (every rank fuses the same parts)
+        manifest["projection_groups"] = family(cfg).projection_groups(ranks[0])
     if draft is not None:                              # the ids are the weight model.mtp.draft_ids; this names them
         manifest["draft_vocab"] = {"size": len(draft), "sha256": ids_sha256(draft),
                                    "source": opts.draft_vocab_file or "builtin (tiny's training corpus)"}
@@ -488,6 +490,10 @@ def inspect(path: str | Path, manifest: dict | None = None) -> str:
         for i, (rel, f) in enumerate(sorted(ref["files"].items())):
             lines.insert(5 + i, f"  {rel if root == 'tiny' else str(Path(root) / rel)}  {f['size']} bytes  "
                                 f"sha256 {f['sha256']}")
+    groups = m.get("projection_groups")                # absent from older manifests
+    if groups:
+        lines.append("projections (launches per layer, joined by +): " + "; ".join(
+            f"{proj} {launches} x{n}" for proj, per in sorted(groups.items()) for launches, n in sorted(per.items())))
     for name, g in m["graphs"].items():
         top = sorted(g["ops"].items(), key=lambda kv: -kv[1])[:6]
         lines.append(f"  {name:<14} nodes={g['node_count']:<6} file={g['file']}  top ops: "

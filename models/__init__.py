@@ -23,6 +23,9 @@ class Family:
     check_divisible: Callable           # (cfg, tp) -> None; ValueError when the heads do not split over tp
     fuse_projections: Callable          # (model) -> None: same-input projections concatenated, after sharding
     attach_mtp: Callable | None = None  # (model, checkpoint dir, tp) -> the MTP head as model.mtp; None: no head
+    # (fused model) -> {"<module>.<fused name>": {"<a layer's launches>": layers}}: the artifact manifest's
+    # `projection_groups` (how the fused projections run, e.g. an FP8 run with a float tail in one launch); None: none
+    projection_groups: Callable | None = None
 
 
 def register(family: Family) -> None:

@@ -83,6 +83,13 @@ def cases(B: int):
                          torch.empty(16, 32, dtype=torch.float32, **m))
     yield "add_rms_norm_linear_fp8", (torch.empty(B, 2048, **bf), torch.empty(B, 2048, **bf), torch.empty(2048, **bf),
                                       1e-6, torch.empty(12288, 2048, **f8), torch.empty(96, 16, dtype=torch.float32, **m))
+    # an FP8 checkpoint's GDN in_proj (models/qwen3_5/fuse.py): the e4m3 [qkv; z] with the bf16 [b; a] as its tail
+    tail = torch.empty(64, 2048, **bf)
+    yield "linear_fp8", (torch.empty(B, 2048, **bf), torch.empty(12288, 2048, **f8),
+                         torch.empty(96, 16, dtype=torch.float32, **m), tail)
+    yield "add_rms_norm_linear_fp8", (torch.empty(B, 2048, **bf), torch.empty(B, 2048, **bf), torch.empty(2048, **bf),
+                                      1e-6, torch.empty(12288, 2048, **f8), torch.empty(96, 16, dtype=torch.float32, **m),
+                                      tail)
     for w8 in (dict(dtype=torch.int8, **m), f8):                   # W8A8: per-channel scales, decode and prefill rows
         op = "linear_w8a8_int8" if w8["dtype"] == torch.int8 else "linear_w8a8_fp8"
         for rows, n, k in ((B, 12352, 2048), (B, 2048, 4096), (2048, 12352, 2048)):

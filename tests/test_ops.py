@@ -117,14 +117,15 @@ def case_linear_f32(g):
 
 
 def case_linear_fp8(g):
-    """w [130, 160] e4m3: partial 128x128 blocks on both edges; x in the model dtype."""
-    return [g.m(5, 160), (g.f(130, 160) * 8).to(torch.float8_e4m3fn), g.f(2, 2).abs() * 0.01]
+    """w [130, 160] e4m3: partial 128x128 blocks on both edges; x and the float tail [8, 160] in the model dtype."""
+    return [g.m(5, 160), (g.f(130, 160) * 8).to(torch.float8_e4m3fn), g.f(2, 2).abs() * 0.01,
+            g.m(8, 160, scale=160 ** -0.5)]
 
 
 def case_add_rms_norm_linear_fp8(g):
-    """linear_fp8's weight and scales ([130, 160]: partial blocks) behind add_rms_norm of [5, 160] rows."""
+    """linear_fp8's weight, scales ([130, 160]: partial blocks) and tail behind add_rms_norm of [5, 160] rows."""
     return [g.m(5, 160), g.m(5, 160), g.m(160, scale=0.1), 1e-6, (g.f(130, 160) * 8).to(torch.float8_e4m3fn),
-            g.f(2, 2).abs() * 0.01]
+            g.f(2, 2).abs() * 0.01, g.m(8, 160, scale=160 ** -0.5)]
 
 
 def case_linear_w8a8_int8(g):
@@ -264,9 +265,15 @@ VALIDATION = [
     ("fused_moe_fp8", 10, torch.zeros(160, IS), "fused_moe_fp8 shared_down: expected dtype torch.float8_e4m3fn"),
     ("linear_fp8", 2, torch.zeros(1, 2), "linear_fp8 scale (one per 128x128 block of w): expected shape [2, 2]"),
     ("linear_fp8", 1, torch.zeros(130, 160), "linear_fp8 w: expected dtype torch.float8_e4m3fn"),
+    ("linear_fp8", 3, torch.zeros(8, 161), "linear_fp8 tail (float rows after w's, x's dtype): expected shape "
+                                          "[*, 160]"),
+    ("linear_fp8", 3, torch.zeros(8, 160, dtype=torch.float64), "linear_fp8 tail (float rows after w's, x's dtype): "
+                                                                "expected dtype torch.float32"),
     ("add_rms_norm_linear_fp8", 1, torch.zeros(5, 161), "add_rms_norm_linear_fp8 residual: expected shape [5, 160]"),
     ("add_rms_norm_linear_fp8", 5, torch.zeros(1, 2), "linear_fp8 scale (one per 128x128 block of w): expected shape "
                                                       "[2, 2]"),
+    ("add_rms_norm_linear_fp8", 6, torch.zeros(8, 128), "linear_fp8 tail (float rows after w's, x's dtype): expected "
+                                                        "shape [*, 160]"),
     ("linear_w8a8_int8", 2, torch.zeros(130), "linear_w8a8_int8 scale (one per output channel of w): expected shape "
                                               "[130, 1]"),
     ("linear_w8a8_int8", 1, torch.zeros(130, 160), "linear_w8a8_int8 w: expected dtype torch.int8"),

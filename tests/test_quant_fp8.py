@@ -103,13 +103,14 @@ def fp8_model(fp8_dir):
 
 
 def test_fp8_checkpoint_loads_fp8_projections_and_experts(fp8_model, fp8_tensors):
-    """Projections stay e4m3 + scales (concatenated by runs); routed experts and the shared expert stay e4m3
-    (onegraph::fused_moe_fp8) with their block scales fused per layer, and dequantize to transformers' values."""
+    """Projections stay e4m3 + scales (concatenated by runs, the GDN's float [b; a] the tail of its e4m3 run); routed
+    experts and the shared expert stay e4m3 (onegraph::fused_moe_fp8) with their block scales fused per layer, and
+    dequantize to transformers' values."""
     from onegraph.custom_ops.fused_moe_fp8 import dequantize_gate_up
     gdn, attn = fp8_model.layers[0].linear_attn, fp8_model.layers[3].self_attn
     fp8 = {n for n, p in fp8_model.named_parameters() if p.dtype == torch.float8_e4m3fn}
-    assert "layers.0.linear_attn.in_proj.runs.0.weight" in fp8        # [qkv; z] e4m3, [b; a] float
-    assert gdn.in_proj.runs[1].weight.dtype == torch.float32
+    assert "layers.0.linear_attn.in_proj.weight" in fp8               # [qkv; z] e4m3, [b; a] its float tail
+    assert gdn.in_proj.tail.dtype == torch.float32
     assert attn.qkv_proj.runs[0].weight.shape[0] == 320               # [q; k]: q (256) is whole blocks, k (64) not
     assert "layers.3.self_attn.o_proj.weight" in fp8 and len(fp8) == 3 * 2 + 1 + 2 + 4 * 5   # + experts, shared
     ex, key = fp8_model.layers[0].mlp.experts, "model.layers.0.mlp.experts.5.{}_proj.weight{}"
@@ -126,7 +127,7 @@ def test_fp8_checkpoint_loads_fp8_projections_and_experts(fp8_model, fp8_tensors
     assert torch.equal(dequantize(sd.weight, sd.weight_scale_inv),
                        hf["model.layers.0.mlp.shared_expert.down_proj.weight"])
     qkv = fp8_tensors["model.layers.0.linear_attn.in_proj_qkv.weight"]
-    assert torch.equal(gdn.in_proj.runs[0].weight[:qkv.shape[0]].view(torch.uint8), qkv.view(torch.uint8))
+    assert torch.equal(gdn.in_proj.weight[:qkv.shape[0]].view(torch.uint8), qkv.view(torch.uint8))
 
 
 def test_fp8_checkpoint_matches_transformers_dequantized_model(fp8_model, dequantized_dir):
@@ -169,7 +170,7 @@ def test_export_time_quantization_is_the_official_format(tiny_eager):
     q, s = _quantize(src["model.layers.3.self_attn.o_proj.weight"])
     o = model.layers[3].self_attn.o_proj
     assert torch.equal(o.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(o.weight_scale_inv, s)
-    assert model.layers[0].linear_attn.in_proj.runs[1].weight.dtype == torch.float32      # [b; a]
+    assert model.layers[0].linear_attn.in_proj.tail.dtype == torch.float32               # [b; a]
     ex, key = model.layers[0].mlp.experts, "model.layers.0.mlp.experts.3.{}_proj.weight"
     (gq, gs), (uq, us) = _quantize(src[key.format("gate")]), _quantize(src[key.format("up")])
     assert torch.equal(ex.gate_up_proj[3].view(torch.uint8), torch.cat([gq, uq]).view(torch.uint8))
@@ -243,8 +244,9 @@ def test_fp8_with_tensor_parallel_is_refused(fp8_dir):
 
 def test_cli_export_quant_fp8_records_the_scheme_and_replays_its_eager_model(tmp_path, capsys):
     """`onegraph export tiny --quant fp8 --fp8-lm-head`: FP8 weights (the head's too) in the artifact, the scheme
-    and the head option in the manifest's options and in `onegraph inspect`, the load-time fixture (recorded from
-    the FP8 eager model) passes, and the graphs call no Python op. (The float head of a `--quant fp8` export is the
+    and the head option in the manifest's options and in `onegraph inspect`, as are the projection groups (the GDN
+    in_proj one launch with its float tail), the load-time fixture (recorded from the FP8 eager model) passes, and
+    the graphs call no Python op. (The float head of a `--quant fp8` export is the
     float model's head, covered by every other artifact test, and on the GPU by the test below.)"""
     from safetensors import safe_open
 
@@ -256,6 +258,9 @@ def test_cli_export_quant_fp8_records_the_scheme_and_replays_its_eager_model(tmp
                      "--max-seq-len", "64", "--quant", "fp8", "--fp8-lm-head", "--quiet", "--no-cache"]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["options"]["quant"] == "fp8" and manifest["options"]["fp8_lm_head"] is True
+    groups = manifest["projection_groups"]                # the GDN [b; a] rides in its e4m3 run's launch
+    assert groups["linear_attn.in_proj"] == {"e4m3 384 with float32 tail 8": 3}, groups
+    assert groups["self_attn.qkv_proj"] == {"e4m3 320 + e4m3 64": 1}, groups      # [q; k] + [v]: k is half a block
     with safe_open(str(out / "weights.safetensors"), "pt") as f:
         fp8 = [k for k in f.keys() if f.get_slice(k).get_dtype() == "F8_E4M3"]
     assert "model.layers.3.self_attn.o_proj.weight" in fp8 and "model.lm_head.weight" in fp8
@@ -264,6 +269,7 @@ def test_cli_export_quant_fp8_records_the_scheme_and_replays_its_eager_model(tmp
     assert cli.main(["inspect", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "'quant': 'fp8'" in printed and "lm_head block fp8" in printed
+    assert "linear_attn.in_proj e4m3 384 with float32 tail 8 x3" in printed
     ex = GraphExecutor.from_artifact(out, max_slots=1)
     assert ex.fixture_report["max_logit_diff"] <= 1e-4 and not ex.fixture_report["routing_flips"]
     PYTHON_CALLS.clear()

@@ -2,6 +2,9 @@
 dequantization, in Triton's CPU interpreter without a GPU (small awkward shapes) and compiled on a GPU
 (plus the `cuda` tests at Qwen3.5-35B-A3B shapes).
 
+The float tail (linear_fp8's `tail`, the GDN [b; a] rows of an FP8 model) against the same reference, its FP8
+columns bit-identical to the tail-free launch's.
+
 Weights are random e4m3 bytes (every finite code) with a different random power-of-two-spread scale per
 128x128 block, so a block read with another block's scale is caught, not averaged away. Tolerances as
 tests/test_triton_linear.py: fp32 1e-5 relative to the output's scale (another summation order); bf16 one
@@ -164,3 +167,109 @@ def test_add_rms_norm_linear_fp8_matches_reference(M, cfg, dtype):
     plain = lin8.matmul(normed, w, scale, cfg=(cfg or lin8.norm_tile(K)) if M == 1 else None)
     same_sums(y, plain, normed, _dequant(w, scale))
     _check(y, normed, w, scale)
+
+
+# ---------------------------------------------------------------- the float tail (linear_fp8's `tail`)
+
+def _check_tail(y, x, w, scale, tail):
+    """y [M, N + Nt] against the float64 [dequant(w); tail] product, at the op's bound."""
+    ref = x.double() @ torch.cat([_dequant(w, scale), tail.double()]).T
+    err = ((y.double() - ref).abs() / ref.abs().amax().clamp(min=1e-30)).max().item()
+    assert err <= TOL[x.dtype], f"max relative error {err:.3g} > {TOL[x.dtype]:.3g}"
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 3, 17])
+def test_tail_rides_in_the_fp8_launch(M, dtype):
+    """tail [8, K] of x's dtype: y [M, N + 8] is the float64 reference's within the op's bound at the GEMV (M = 1),
+    the dot tile (M = 3) and the batch / prefill tiles (M = 17); the FP8 columns are the tail-free launch's bits
+    (the tile depends on (M class, K) only), and so are the tail columns whatever N they follow."""
+    K, N = 256, 256
+    w, scale = _fp8_weight(N, K, seed=20 + M)
+    x = _x(M, K, dtype, seed=M)
+    tail = _x(8, K, dtype, seed=40 + M) * 0.05
+    y = lin8.matmul(x, w, scale, tail=tail)
+    assert y.shape == (M, N + 8) and y.dtype == dtype
+    _check_tail(y, x, w, scale, tail)
+    assert torch.equal(y[:, :N], lin8.matmul(x, w, scale))
+    assert torch.equal(y[:, N:], lin8.matmul(x, w[:128], scale[:1], tail=tail)[:, 128:])
+    assert torch.equal(y, torch.ops.onegraph.linear_fp8_triton(x, w, scale, tail))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg", [None, (1, 16, 64, 4, 2)], ids=["whole_row", "k_looped"])
+def test_add_rms_norm_linear_fp8_with_tail(cfg, dtype):
+    """The norm-folded form (REGS) at one row with a tail: normed and h, and the FP8 columns, are the tail-free
+    launch's bits; the tail columns multiply the same normed row (the float64 reference of normed's rows), with
+    the whole row in registers (K = 256, the default tile) or made per K tile (cfg: BK = 64)."""
+    K, N = 256, 256
+    w, scale = _fp8_weight(N, K, seed=31)
+    x, res = _x(1, K, dtype, seed=31), _x(1, K, dtype, seed=32)
+    nw = _x(1, K, dtype, seed=33)[0] * 0.1
+    tail = _x(8, K, dtype, seed=34) * 0.05
+    y, normed, h = lin8.matmul(x, w, scale, cfg, norm=(res, nw, 1e-6), tail=tail)
+    y0, normed0, h0 = lin8.matmul(x, w, scale, cfg, norm=(res, nw, 1e-6))
+    assert y.shape == (1, N + 8)
+    assert torch.equal(normed, normed0) and torch.equal(h, h0) and torch.equal(y[:, :N], y0)
+    _check_tail(y, normed, w, scale, tail)
+    if cfg is None:                                   # the op's own lowering: the same launch
+        got = torch.ops.onegraph.add_rms_norm_linear_fp8_triton(x, res, nw, 1e-6, w, scale, tail)
+        assert all(torch.equal(a, b) for a, b in zip(got, (y, normed, h)))
+
+
+@needs_triton
+def test_add_rms_norm_linear_fp8_with_tail_more_rows():
+    """Above one row the lowering is the norm kernel, then the FP8 launch with its tail."""
+    from onegraph.custom_ops.add_rms_norm_linear_fp8 import reference_add_rms_norm_linear_fp8
+    K, N = 256, 256
+    w, scale = _fp8_weight(N, K, seed=35)
+    x, res = _x(3, K, torch.float32, seed=35), _x(3, K, torch.float32, seed=36)
+    nw = _x(1, K, torch.float32, seed=37)[0] * 0.1
+    tail = _x(8, K, torch.float32, seed=38) * 0.05
+    y, normed, h = torch.ops.onegraph.add_rms_norm_linear_fp8_triton(x, res, nw, 1e-6, w, scale, tail)
+    assert torch.equal(y, lin8.matmul(normed, w, scale, tail=tail))
+    y_ref = reference_add_rms_norm_linear_fp8(x, res, nw, 1e-6, w, scale, tail)[0]
+    assert torch.allclose(y, y_ref, rtol=0, atol=1e-5 * y_ref.abs().max().item())
+
+
+@needs_triton
+def test_triton_op_refuses_a_tail_of_another_dtype_or_width():
+    w, scale = _fp8_weight(200, 300, seed=0)
+    x = _x(1, 300, torch.bfloat16, seed=0)
+    with pytest.raises(ValueError, match=r"linear_fp8 tail .*expected dtype torch.bfloat16"):
+        torch.ops.onegraph.linear_fp8_triton(x, w, scale, torch.zeros(8, 300))
+    with pytest.raises(ValueError, match=r"linear_fp8 tail .*expected shape \[\*, 300\]"):
+        torch.ops.onegraph.linear_fp8_triton(x, w, scale, torch.zeros(8, 256, dtype=torch.bfloat16))
+
+
+def test_reference_with_tail_is_the_concatenation():
+    """The CPU lowering: [linear_fp8(x, w, s) | F.linear(x.float(), tail.float()).to(x.dtype)]."""
+    from onegraph.custom_ops.linear_fp8 import reference_linear_fp8
+    w, scale = _fp8_weight(200, 300, seed=6)
+    x = _x(4, 300, torch.float32, seed=6).cpu()
+    tail = _x(8, 300, torch.float32, seed=7).cpu()
+    y = reference_linear_fp8(x, w.cpu(), scale.cpu(), tail)
+    assert y.shape == (4, 208)
+    _check_tail(y, x, w.cpu(), scale.cpu(), tail)
+
+
+@pytest.mark.parametrize("M", [1, 4, 64])
+def test_35b_gdn_in_proj_with_its_tail(M):
+    """The 35B GDN in_proj as an FP8 checkpoint fuses it: e4m3 [qkv; z] 12288 x 2048 with the bf16 [b; a] 64 x 2048
+    as its tail; prints the one launch's time beside the two it replaces (informational)."""
+    from onegraph.custom_ops.triton import linear as lin
+    w, scale = _fp8_weight(12288, 2048, seed=M)
+    x = _x(M, 2048, torch.bfloat16, seed=M)
+    tail = _x(64, 2048, torch.bfloat16, seed=M + 3) * 0.02
+    y = lin8.matmul(x, w, scale, tail=tail)
+    _check_tail(y, x, w, scale, tail)
+    assert torch.equal(y[:, :12288], lin8.matmul(x, w, scale))
+    one = cuda_us(lambda: lin8.matmul(x, w, scale, tail=tail))
+    two = cuda_us(lambda: (lin8.matmul(x, w, scale), lin.project(x, tail)))
+    print(f"\nM={M}: FP8 run with its tail {one:.1f} us, FP8 run + bf16 [b; a] launches {two:.1f} us")
+
+
+for _m in cuda_only:
+    test_35b_gdn_in_proj_with_its_tail = _m(test_35b_gdn_in_proj_with_its_tail)

@@ -22,7 +22,8 @@ One file per op (kernel + launcher + triton_op), sharing `_common.py`:
   sample.py            greedy / Gumbel-max sampling with top-k / top-p, no vocabulary sort
   linear.py            projection GEMV at decode sizes (tile by (M, K) only)
   add_rms_norm_linear.py  the residual add + RMSNorm folded into the projection GEMV's prologue
-  linear_fp8.py        block-FP8 weight projection: e4m3 bytes and 128x128 scales applied in registers
+  linear_fp8.py        block-FP8 weight projection: e4m3 bytes and 128x128 scales applied in registers (a float
+                       tail of rows in the same launch)
   add_rms_norm_linear_fp8.py  the same fold for a block-FP8 projection (one row: the normed row in registers)
   linear_w8a8.py       W8A8 projections (int8 / e4m3 per-channel weights, activations quantized per token)
 Batch-invariant variants (export --batch-invariant; _registry's "triton_invariant" lowerings): every row with the

@@ -2,8 +2,8 @@
 
 Weight-only FP8: x stays in the model dtype, w [N, K] is read as e4m3 (half the bytes of bf16: decode is
 bandwidth bound) and each value is upcast and scaled in registers, never written back dequantized.
-One kernel, grid (cdiv(N, BN), cdiv(M, BM)); program (n, m) reads rows [n*BN, (n+1)*BN) of w once for
-BM rows of x:
+One kernel, grid (cdiv(N, BN) + cdiv(Nt, BN), cdiv(M, BM)); program (n, m) reads rows [n*BN, (n+1)*BN) of w once
+for BM rows of x (the programs past cdiv(N, BN) read the float tail's rows, below):
 - M == 1 (GEMV): fp32 FMA of fp32(q) with x's tile times its block scales, x[k] * s[k // 128], into a
   [BN, BK] accumulator, one reduction at the end. BN divides 128, so a program's rows lie in one block row
   and a K tile needs one scale per 128 columns (BK may span blocks), applied to the [BK] x tile once rather
@@ -16,11 +16,19 @@ BM rows of x:
   an fp32 GEMM (no tensor cores, ~15x slower on the H100), and would write and re-read the weight.
 The tile (BM, BN, BK, warps, stages) depends on (M class, K) only, never on N, so a weight concatenated
 along N (models/qwen3_5/fuse.py) gives bit-identical columns to the separate weights, as custom_ops/triton/linear.py.
+The float tail (linear_fp8's `tail`, an FP8 model's GDN [b; a] rows): cdiv(Nt, BN) more programs of the same launch
+take its rows at the same tile, without the scales (the dot path accumulates them in one fp32 accumulator instead of
+per block; the K-looped REGS form at half the K tile, so its bf16 tile needs no more registers than the e4m3 one),
+and write columns N.. of y. So the FP8 columns are the tail-free launch's bits
+and the tail costs no launch of its own (~2 us each at batch 1: 30 a 35B decode step); the tail columns depend on
+(M class, K) only too, not on N or Nt. In the REGS form the tail programs multiply the same normed row.
 The Triton 3.6 interpreter (CPU tests) loads float8_e4m3fn pointers and converts every finite e4m3 value
 exactly (all 254 checked; it reads the two NaN encodings as +-480, which no checkpoint holds), so the
 weight is passed as float8_e4m3fn on both paths.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -34,76 +42,110 @@ from .linear import GEMV_MAX_M, _h_tile, _normed_row
 
 
 @triton.jit
-def _fp8_kernel(x, w, s, y, M, N, s_x_m, s_w_n, s_s_n, s_y_m, res, nw, normed, hout, eps, K: tl.constexpr,
-                SB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
-                DOT_F32: tl.constexpr, REGS: tl.constexpr):
-    """y[m-tile, n-tile] = x[m-tile] @ (fp32(w) * s)[n-tile].T; x, w contiguous along K; SB = 128.
+def _fp8_kernel(x, w, s, t, y, M, N, NT, s_x_m, s_w_n, s_s_n, s_t_n, s_y_m, res, nw, normed, hout, eps,
+                K: tl.constexpr, SB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                DOT: tl.constexpr, DOT_F32: tl.constexpr, REGS: tl.constexpr, TAIL: tl.constexpr):
+    """y[m-tile, n-tile] = x[m-tile] @ (fp32(w) * s)[n-tile].T; x, w, t contiguous along K; SB = 128.
+    TAIL (a float tail t [NT, K]): the programs after the cdiv(N, BN) FP8 ones take t's rows BN at a time, at the
+    same tile (_rows), unscaled, and write columns N.. of y (row stride N + NT). Without it the launch is the
+    FP8 rows' alone (the branch is compiled out).
     REGS (add_rms_norm_linear_fp8 at M == 1, BK = next_pow2(K)): the rows multiplied are add_rms_norm's normed
     row, made in registers as custom_ops/triton/linear.py's REGS path makes it (program 0 writes normed and h)."""
-    pid_n = tl.program_id(0)
+    pid = tl.program_id(0)
+    if TAIL:
+        nf = (N + BN - 1) // BN
+        if pid >= nf:
+            _rows(x, t, s, y + N, (pid - nf) * BN, NT, pid, M, s_x_m, s_t_n, s_s_n, s_y_m, res, nw, normed, hout,
+                  eps, K, SB, BM, BN, BK, DOT, DOT_F32, REGS, False)
+        else:
+            _rows(x, w, s, y, pid * BN, N, pid, M, s_x_m, s_w_n, s_s_n, s_y_m, res, nw, normed, hout,
+                  eps, K, SB, BM, BN, BK, DOT, DOT_F32, REGS, True)
+    else:
+        _rows(x, w, s, y, pid * BN, N, pid, M, s_x_m, s_w_n, s_s_n, s_y_m, res, nw, normed, hout,
+              eps, K, SB, BM, BN, BK, DOT, DOT_F32, REGS, True)
+
+
+@triton.jit
+def _rows(x, w, s, y, r0, N, pid, M, s_x_m, s_w_n, s_s_n, s_y_m, res, nw, normed, hout, eps, K: tl.constexpr,
+          SB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
+          DOT_F32: tl.constexpr, REGS: tl.constexpr, SCALED: tl.constexpr):
+    """Rows [r0, r0 + BN) of w [N, K] (columns of y, whose first column y points at) for the program `pid`.
+    SCALED: w is e4m3 with block scales s; else a float weight (the tail) multiplied as it is, the same loop."""
     DT: tl.constexpr = y.dtype.element_ty
-    rn = pid_n * BN + tl.arange(0, BN)
+    rn = r0 + tl.arange(0, BN)
     mn = rn < N
     rn64 = rn.to(tl.int64)                           # w offsets pass 2**31 for the vocab-sized projections
+    srow0 = (r0 // SB) * s_s_n                       # BN divides SB: the rows' one row of the scale table (GEMV)
     if REGS and BK < K:
         # the normed row made per K tile: a pass for the sum of squares of h = x + res (L2 reads), then the
         # GEMV loop rounds each tile of the normed row as add_rms_norm does and folds the block scale into it
-        srow0 = (pid_n * BN // SB) * s_s_n
         ss = tl.zeros([BK], tl.float32)
         for k0 in range(0, K, BK):
             rk = k0 + tl.arange(0, BK)
             hv = _h_tile(x, res, rk, rk < K, DT)
             ss += hv * hv
         inv = tl.rsqrt(tl.sum(ss, axis=0) / K + tl.cast(eps, tl.float32))
-        acc = tl.zeros([BN, BK], tl.float32)
-        for k0 in range(0, K, BK):
-            rk = k0 + tl.arange(0, BK)
+        # the tail's bf16 tile holds twice the e4m3 tile's bytes: at half its width the tail branch needs no more
+        # registers than the FP8 one (sm_90, 35B in_proj: 72 a thread, 92 at the full width), and so the launch's
+        # occupancy stays the tail-free one's; the row's elements are the same values at any tile
+        TK: tl.constexpr = BK if SCALED else BK // 2
+        acc = tl.zeros([BN, TK], tl.float32)
+        for k0 in range(0, K, TK):
+            rk = k0 + tl.arange(0, TK)
             mk = rk < K
             wt = tl.load(w + rn64[:, None] * s_w_n + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
             hv = _h_tile(x, res, rk, mk, DT)
             row = to_dt(hv * inv * (1.0 + tl.load(nw + rk, mask=mk, other=0.0).to(tl.float32)), DT)
-            if pid_n == 0:
+            if pid == 0:
                 tl.store(normed + rk, row, mask=mk)
                 tl.store(hout + rk, to_dt(hv, DT), mask=mk)
-            xs = row.to(tl.float32) * tl.load(s + srow0 + rk // SB, mask=mk, other=0.0)
-            acc += wt.to(tl.float32) * xs[None, :]
+            acc += wt.to(tl.float32) * _scaled(row.to(tl.float32), s, srow0, rk, mk, SB, SCALED)[None, :]
         tl.store(y + rn, to_dt(tl.sum(acc, axis=1), DT), mask=mn)
     elif REGS:
-        row = _normed_row(x, res, nw, normed, hout, eps, pid_n, K, BK, DT)                      # [BK]
+        row = _normed_row(x, res, nw, normed, hout, eps, pid, K, BK, DT)                        # [BK]
         pk = tl.arange(0, BK)
         mk = pk < K
-        srow0 = (pid_n * BN // SB) * s_s_n           # BN divides SB: one row of the scale table (GEMV below)
         wt = tl.load(w + rn64[:, None] * s_w_n + pk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
-        xs = row.to(tl.float32) * tl.load(s + srow0 + pk // SB, mask=mk, other=0.0)
-        acc = wt.to(tl.float32) * xs[None, :]
+        acc = wt.to(tl.float32) * _scaled(row.to(tl.float32), s, srow0, pk, mk, SB, SCALED)[None, :]
         tl.store(y + rn, to_dt(tl.sum(acc, axis=1), DT), mask=mn)
     elif DOT:
-        srow = (rn // SB) * s_s_n                    # [BN] each row's block row in the scale table
         rm = tl.program_id(1) * BM + tl.arange(0, BM)
         mm = rm < M
+        srow = (rn // SB) * s_s_n                    # [BN] each row's block row in the scale table
         acc = tl.zeros([BM, BN], tl.float32)
         for k0 in range(0, K, BK):                   # BK divides SB: one block column per tile
             rk = k0 + tl.arange(0, BK)
             mk = rk < K
             xt = tl.load(x + rm[:, None] * s_x_m + rk[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
             wt = tl.load(w + rn64[:, None] * s_w_n + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
-            st = tl.load(s + srow + k0 // SB, mask=mn, other=0.0)                          # [BN]
-            part = mma(xt, tl.trans(wt.to(xt.dtype)), tl.zeros([BM, BN], tl.float32), DOT_F32)
-            acc += part * st[None, :]
+            if SCALED:                               # each tile's product times its block scale, one per row
+                st = tl.load(s + srow + k0 // SB, mask=mn, other=0.0)                              # [BN]
+                part = mma(xt, tl.trans(wt.to(xt.dtype)), tl.zeros([BM, BN], tl.float32), DOT_F32)
+                acc += part * st[None, :]
+            else:                                    # the float tail: one fp32 accumulation over K
+                acc = mma(xt, tl.trans(wt.to(xt.dtype)), acc, DOT_F32)
         tl.store(y + rm[:, None] * s_y_m + rn[None, :], to_dt(acc, DT), mask=mm[:, None] & mn[None, :])
     else:
         # BN divides SB (tile()): the program's rows share one row of the scale table, so the K tile's scales
         # are one [BK] vector (a 1-2 element L1 line), folded into x's tile: one convert and one FMA per weight
-        srow0 = (pid_n * BN // SB) * s_s_n
         acc = tl.zeros([BN, BK], tl.float32)
         for k0 in range(0, K, BK):
             rk = k0 + tl.arange(0, BK)
             mk = rk < K
             xv = tl.load(x + rk, mask=mk, other=0.0).to(tl.float32)
             wt = tl.load(w + rn64[:, None] * s_w_n + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
-            xs = xv * tl.load(s + srow0 + rk // SB, mask=mk, other=0.0)                      # [BK]
-            acc += wt.to(tl.float32) * xs[None, :]
+            acc += wt.to(tl.float32) * _scaled(xv, s, srow0, rk, mk, SB, SCALED)[None, :]
         tl.store(y + rn, to_dt(tl.sum(acc, axis=1), DT), mask=mn)
+
+
+@triton.jit
+def _scaled(xv, s, srow0, rk, mk, SB: tl.constexpr, SCALED: tl.constexpr):
+    """x's fp32 tile [BK] times its columns' block scales (row srow0 of the table): x . (q * s) as (x * s) . q.
+    Unscaled for the float tail."""
+    if SCALED:
+        return xv * tl.load(s + srow0 + rk // SB, mask=mk, other=0.0)
+    else:
+        return xv
 
 
 # (BM, BN, BK, num_warps, num_stages) by M class: 1 (GEMV), 2..GEMV_MAX_M (dot, 16 rows), above (prefill),
@@ -147,23 +189,28 @@ def norm_tile(K: int) -> tuple[int, int, int, int, int]:
 
 def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
            cfg: tuple[int, int, int, int, int] | None = None,
-           norm: tuple[torch.Tensor, torch.Tensor, float] | None = None):
+           norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, tail: torch.Tensor | None = None):
     """x [M, K] @ dequant(w [N, K], scale).T -> [M, N] x.dtype; cfg overrides the tile (benchmarks only).
+    tail [Nt, K] (x.dtype): its rows x @ tail.T as columns N.. of y [M, N + Nt], by cdiv(Nt, BN) more programs of
+    the same launch at the same tile (the FP8 columns are the tail-free launch's bits).
     norm = (residual [1, K], norm weight [K], eps), M == 1 only: add_rms_norm_linear_fp8's normed row instead
     of x (REGS), returning (y, normed, x + residual)."""
     M, K = x.shape
     N = w.shape[0]
+    NT = 0 if tail is None else tail.shape[0]
     x, w, scale = x.contiguous(), w.contiguous(), scale.contiguous()
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    t = w if tail is None else tail.contiguous()     # without a tail the kernel never reads t (TAIL=False)
+    y = torch.empty((M, N + NT), dtype=x.dtype, device=x.device)
     if norm is not None:
         if M != 1:
             raise ValueError(f"linear_fp8: the norm-row form takes one row, got {M}")
         res, nw, eps = norm[0].contiguous(), norm[1], norm[2]
         normed, h = torch.empty_like(x), torch.empty_like(x)
         _, bn, bk, warps, stages = cfg or norm_tile(K)
-        launch(_fp8_kernel, (triton.cdiv(N, bn), 1), x, w, scale, y, M, N, x.stride(0), w.stride(0), scale.stride(0),
-               y.stride(0), res, nw, normed, h, eps, K=K, SB=BLOCK, BM=1, BN=bn, BK=min(bk, triton.next_power_of_2(K)),
-               DOT=False, DOT_F32=INTERPRETED, REGS=True, num_warps=warps, num_stages=stages)
+        launch(_fp8_kernel, (triton.cdiv(N, bn) + triton.cdiv(NT, bn), 1), x, w, scale, t, y, M, N, NT, x.stride(0),
+               w.stride(0), scale.stride(0), t.stride(0), y.stride(0), res, nw, normed, h, eps, K=K, SB=BLOCK, BM=1,
+               BN=bn, BK=min(bk, triton.next_power_of_2(K)), DOT=False, DOT_F32=INTERPRETED, REGS=True, TAIL=NT > 0,
+               num_warps=warps, num_stages=stages)
         return y, normed, h
     bm, bn, bk, warps, stages = cfg or tile(M, K)
     dot = bm > 1                                     # benchmarks may run the dot tiles at M = 1
@@ -171,16 +218,18 @@ def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
         raise ValueError(f"linear_fp8: the dot path needs a K tile dividing {BLOCK}, got {bk}")
     if not dot and BLOCK % bn:
         raise ValueError(f"linear_fp8: the GEMV needs a row tile dividing {BLOCK}, got {bn}")
-    launch(_fp8_kernel, (triton.cdiv(N, bn), triton.cdiv(M, bm) if dot else 1), x, w, scale, y, M, N,
-           x.stride(0), w.stride(0), scale.stride(0), y.stride(0), x, x, y, y, 0.0, K=K, SB=BLOCK, BM=bm, BN=bn,
-           BK=bk, DOT=dot, DOT_F32=INTERPRETED, REGS=False, num_warps=warps, num_stages=stages)
+    launch(_fp8_kernel, (triton.cdiv(N, bn) + triton.cdiv(NT, bn), triton.cdiv(M, bm) if dot else 1),
+           x, w, scale, t, y, M, N, NT, x.stride(0), w.stride(0), scale.stride(0), t.stride(0), y.stride(0),
+           x, x, y, y, 0.0, K=K, SB=BLOCK, BM=bm, BN=bn, BK=bk, DOT=dot, DOT_F32=INTERPRETED, REGS=False, TAIL=NT > 0,
+           num_warps=warps, num_stages=stages)
     return y
 
 
 @triton_op("onegraph::linear_fp8_triton", mutates_args=())
-def linear_fp8_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    _validate(x, w, scale)
-    return matmul(x, w, scale)
+def linear_fp8_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                      tail: Optional[torch.Tensor] = None) -> torch.Tensor:
+    _validate(x, w, scale, tail)
+    return matmul(x, w, scale, tail=tail)
 
 
 _registry.register_lowering("linear_fp8", "triton", torch.ops.onegraph.linear_fp8_triton.default)

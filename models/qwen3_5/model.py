@@ -35,7 +35,7 @@ from onegraph import custom_ops  # noqa: F401  (registers torch.ops.onegraph)
 
 from onegraph.models.qwen3_5.config import ModelConfig
 from onegraph.models.state import StateTensor
-from onegraph.models.qwen3_5.fuse import ConcatProj
+from onegraph.models.qwen3_5.fuse import ConcatProj, rows
 from onegraph.models.qwen3_5.linear import Linear
 from onegraph.models.qwen3_5.tp import LocalDims, local_dims
 
@@ -91,18 +91,18 @@ def _split(mod, x, parts):
     if mod.fused_sizes is None:
         return [getattr(mod, p)(x) for p in parts]
     proj = mod.fused_proj
-    if not isinstance(proj, ConcatProj):
+    if not isinstance(proj, ConcatProj):              # one weight, or an FP8 run with its float tail (Fp8WithTail)
         return proj(x).split(mod.fused_sizes, dim=-1)
-    # runs that could not concatenate (FP8 beside float parts): each run's output split on its own; joining
+    # runs that could not concatenate (FP8 runs that straddle a block): each run's output split on its own; joining
     # them first (ConcatProj.forward) cost a copy kernel per part per step, ~1 us each at the 35B bs1 step
     out, sizes = [], iter(mod.fused_sizes)
     for run in proj.runs:
-        mine, n = [], run.weight.shape[0]
+        mine, n = [], rows(run)
         while n > 0:
             mine.append(next(sizes))
             n -= mine[-1]
         if n:                                         # models/qwen3_5/fuse.py concatenates whole parts: never reached
-            raise ValueError(f"fused projection: a run of {run.weight.shape[0]} rows straddles the parts {mod.fused_sizes}")
+            raise ValueError(f"fused projection: a run of {rows(run)} rows straddles the parts {mod.fused_sizes}")
         out += run(x).split(mine, dim=-1)
     return out
 
