@@ -258,7 +258,7 @@ def lower_all(model, wanted: list[tuple[str, int, int]], args, dev) -> dict:
     log("lowered", len(done), "graphs in", jobs, "workers:", round(time.time() - t0, 1), "s")
     return {(kind, bucket, k): (done[f"{kind}_{bucket}_k{k}"], dict(timings[f"{kind}_{bucket}_k{k}"],
                                                                   lowered_in_parallel=jobs))
-            for kind, bucket in wanted}
+            for kind, bucket, k in wanted}
 
 
 def lower(model, weights, kind: str, bucket: int, args, dev, r: dict, k: int = 0):

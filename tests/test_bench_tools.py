@@ -214,3 +214,42 @@ def test_bench_big_prefill_and_interleave_on_cpu(tmp_path):
     assert chunk["budget"] == "chunk" and chunk["decode_steps_between_chunks"] >= 2, chunk     # 3 chunks
     assert whole["budget"] == "whole" and whole["decode_steps_between_chunks"] == 0, whole
     assert chunk["itl_during_prefill_ms"]["n"] > 0 and inter["chunked_prefill_tok_s"] > 0
+
+
+def test_bench_big_lower_all_keys_by_kind_bucket_and_drafts(monkeypatch):
+    """lower_all traces every wanted (kind, bucket, k) and returns the lowered package of each under that key (the
+    pool and the tracing faked: what is checked is the bookkeeping a 35B run depends on after ~5 min of lowering)."""
+    from types import SimpleNamespace
+
+    from onegraph.export import program, workers
+    from onegraph.scripts import bench_big
+
+    class Pool:
+        def __init__(self, *a):
+            self.q = []
+
+        def share(self, *a):
+            pass
+
+        def submit(self, tag, *a):
+            self.q.append(tag)
+
+        @property
+        def pending(self):
+            return len(self.q)
+
+        def poll(self, _):
+            done, self.q = [SimpleNamespace(tag=t, seconds=1.0) for t in self.q], []
+            return done
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(workers, "LoweringPool", Pool)
+    monkeypatch.setattr(program, "save_without_weights", lambda ep, path: None)
+    monkeypatch.setattr(program, "weights_of", lambda ep: {})
+    monkeypatch.setattr(bench_big, "_trace", lambda model, kind, bucket, args, dev, r, k: r.update(trace_s=0.1))
+    wanted = [("spec", 1, 2), ("spec", 1, 3), ("decode", 1, 0), ("prefill", 64, 0)]
+    got = bench_big.lower_all(SimpleNamespace(tp=1), wanted, SimpleNamespace(jobs=2, lower="aoti"), "cpu")
+    assert sorted(got) == sorted(wanted)
+    assert got[("spec", 1, 3)][0].name == "spec_1_k3.pt2" and got[("spec", 1, 3)][1]["lowered_in_parallel"] == 2
