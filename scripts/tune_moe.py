@@ -241,7 +241,7 @@ def main(argv=None) -> int:
             from onegraph.scripts.bench_moe_fp8 import quantize
             fn = torch.ops.onegraph.fused_moe_fp8_triton
             weights = [(r, *(t for w in ws for t in quantize(w)), sgw) for r, *ws, sgw in weights]
-        res["fp8"] = args.fp8
+        res["fp8"], res["device"] = args.fp8, torch.cuda.get_device_name()
         res["rows"] = distinct_experts(fn, weights, args.batches, args.distinct_experts, g, k, E)
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

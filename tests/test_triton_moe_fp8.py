@@ -109,10 +109,11 @@ def test_kernels_equal_the_bf16_kernels_on_dequantized_weights(T, H, E, I, Is, t
     dequantized weights (decode: same tiles and summation order; prefill: the per-K-tile scale is exact), so
     a scale from a wrong block shows as a large difference. Interpreter: bit for bit; GPU: tensor-core
     accumulation order may flip a rounding. At one token the FP8 kernels have tiles of their own: the bf16
-    kernels run with those here."""
-    from onegraph.custom_ops.triton import fused_moe, fused_moe_fp8
+    kernels run with those here, and with the FP8 grouped kernels' tile table (a swapped tile sums in another order)."""
+    from onegraph.custom_ops.triton import fused_moe, fused_moe_fp8, fused_moe_fp8_prefill, fused_moe_prefill
     monkeypatch.setattr(fused_moe, "SWIGLU_ONE", fused_moe_fp8.ONE[0])
     monkeypatch.setattr(fused_moe, "DOWN_ONE", fused_moe_fp8.ONE[1])
+    monkeypatch.setattr(fused_moe_prefill, "TILES", dict(fused_moe_fp8_prefill.TILES))
     args, float_args = fp8_args(T, H, E, I, Is, top_k, BF16, seed=10 + T, pow2=True)
     got = ops.fused_moe_fp8_triton(*args, fp32_out)
     want = ops.fused_moe_triton(*float_args, fp32_out)

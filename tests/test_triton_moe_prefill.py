@@ -204,7 +204,7 @@ def test_grouped_sweep_rows(monkeypatch):
 
     tiles0 = dict(prefill_mod.TILES)
     rows = tune_moe.grouped_sweep(prefill_mod, ops.fused_moe_triton, [tuple(args)], T * k, E, 1e6, "all", timer)
-    assert prefill_mod.TILES == tiles0 and prefill_mod.BM_MIN == {}
+    assert prefill_mod.TILES == tiles0 and prefill_mod.BM_MIN == {}          # restored
     assert [r["grouped"] for r in rows[:6]] == [{n: list(c)} for n in ("swiglu", "down") for c in cands]
     assert all("error" in r and "ValueError" in r["error"] for r in (rows[2], rows[5]))
     assert all(r["class"] == "few" and r["GBps"] == round(1e6 / r["us"] / 1e3, 1) for r in rows if "us" in r)

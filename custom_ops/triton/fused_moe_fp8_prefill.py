@@ -149,9 +149,12 @@ def _strides2(t: torch.Tensor):
 # The caps divide 128, so a weight tile lies in one 128x128 block (one scale). At the 35B shape, 64 tokens (222
 # distinct experts), one call per weight copy in a replayed CUDA graph (`python -m onegraph.scripts.bench_moe_fp8
 # --batches 64 --copies 6`, benchmarks/h200_moe_fp8_b64.json): SwiGLU (32, 128) 291 us a call against 347 at
-# fused_moe_prefill's (64, 64); no down tile of 20 beat (64, 64) by more than 2 %. Both plain (SWAP False): the swap
-# form is not timed yet (bench_moe_fp8 --grouped swap sweeps it).
-TILES = {"swiglu": (32, 128, 4, 3, False), "down": (BN_MAX, BK_MAX, 4, 3, False)}
+# fused_moe_prefill's (64, 64); no plain down tile of 20 beat (64, 64) by more than 2 %. At decode batches ("few": up
+# to 4 rows an expert) the down kernel runs swapped, the weight rows wgmma's M: 312.5 us a call against 336.1 on an
+# H100 (`python -m onegraph.scripts.bench_moe_fp8 --batches 64 --copies 6 --grouped swap`,
+# benchmarks/h100_moe_fp8_b64_swap.json; the SwiGLU swapped too, 317.1).
+TILES = {"swiglu": (32, 128, 4, 3, False), "down": (BN_MAX, BK_MAX, 4, 3, False),
+         ("down", "few"): (32, 128, 2, 3, True)}
 BM_MIN: dict[str, int] = {}
 
 

@@ -181,10 +181,13 @@ ROW_CLASSES = ((4, "few"), (32, "mid"))           # r <= 4: "few"; r <= 32: "mid
 # Grouped-kernel tiles (BN cap, BK cap, warps, stages, SWAP) by kernel ("swiglu", "down"); a (kernel, rows class)
 # entry overrides its kernel's for that class. SWAP: the transposed product (module docstring). BM_MIN: a class's
 # smallest block rows, default 16; a class run swapped may take 8 (8 rows are exactly mma.sync m16n8k16's N; Triton
-# 3.6 emits wgmma from N = 16). The defaults are the plain tiles these kernels had before the swap form, which is
-# untimed so far: `python -m onegraph.scripts.tune_moe --grouped` sweeps both forms (prefill sizes, decode batch 64),
-# scripts/bench_moe_fp8.py the FP8 kernels' table (fused_moe_fp8_prefill.TILES) at decode batch 64.
-TILES = {"swiglu": (BN_MAX, BK_MAX, 4, 3, False), "down": (BN_MAX, BK_MAX, 4, 3, False)}
+# 3.6 emits wgmma from N = 16). The defaults are the plain tiles these kernels had before the swap form. "mid"
+# (a 512-token chunk at the 35B shape: 16 rows an expert) runs the SwiGLU swapped: 646.8 us a call against 682.7 for
+# the plain tile, on an H100 (`python -m onegraph.scripts.tune_moe --grouped swap --batches 512`,
+# benchmarks/h100_moe_grouped_t512.json; no swapped down tile beat the plain one there). `tune_moe --grouped` sweeps
+# both forms (prefill sizes, decode batch 64), scripts/bench_moe_fp8.py the FP8 kernels' table at decode batch 64.
+TILES = {"swiglu": (BN_MAX, BK_MAX, 4, 3, False), "down": (BN_MAX, BK_MAX, 4, 3, False),
+         ("swiglu", "mid"): (32, 128, 2, 4, True)}
 BM_MIN: dict[str, int] = {}
 
 
