@@ -122,8 +122,8 @@ def main():
         res["batches"][str(B)] = {"ops": rows, "step_sum": tot}
         print(f"B={B}: step sum default {tot['default_us']} us, invariant {tot['invariant_us']} us "
               f"({tot['cost_pct']:+} %)", flush=True)
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
+        with open(a.out, "w") as f:                  # after each batch: a run cut short keeps what it measured
+            json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":
