@@ -23,21 +23,11 @@ import sys
 import torch
 
 import onegraph.custom_ops.triton  # noqa: F401  (registers the triton ops)
+from onegraph.checkpoint.quant import quantize
 from onegraph.custom_ops.triton import fused_moe_fp8 as fp8mod
 from onegraph.scripts.bench_ops import MOE, rand, time_graph
 from onegraph.scripts.tune_moe import grouped_sweep, set_tiles
 
-BLOCK = 128
-
-
-def quantize(w):
-    """[..., N, K] bf16 (N, K multiples of 128) -> (e4m3, fp32 scale [..., N/128, K/128]): amax / 448 per block."""
-    *lead, n, k = w.shape
-    b = w.float().view(*lead, n // BLOCK, BLOCK, k // BLOCK, BLOCK)
-    amax = b.abs().amax(dim=(-3, -1))
-    s = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
-    q = (b / s[..., :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(*lead, n, k)
-    return q, s
 
 
 def set_fp8_tiles(B, swiglu, down):

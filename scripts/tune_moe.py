@@ -15,7 +15,7 @@ distinct experts its rows read: per batch B and U, router logits that make the B
 exactly U experts (token 0 picks k of them, the others add the remaining U - k between them and fill up from
 token 0's), next to independent random routing (its mean distinct count recorded) and B = 1. Random routers make
 B tokens read ~k*B experts; trained ones share experts between consecutive tokens. With --fp8 the same rows for
-fused_moe_fp8 (the experts and shared expert quantized to block FP8 as scripts/bench_moe_fp8.py does).
+fused_moe_fp8 (the experts and shared expert quantized to block FP8 by checkpoint/quant.py).
 
 --grouped [plain|swap|all]: the grouped-GEMM kernels instead (custom_ops/triton/fused_moe_prefill.py, taken when
 T*top_k > E: prefill chunks, decode batches past E / k), --batches are token counts T:
@@ -238,7 +238,7 @@ def main(argv=None) -> int:
     fn = torch.ops.onegraph.fused_moe_triton
     if args.distinct_experts:
         if args.fp8:                                      # (router, e4m3 + scale per weight..., sgw)
-            from onegraph.scripts.bench_moe_fp8 import quantize
+            from onegraph.checkpoint.quant import quantize
             fn = torch.ops.onegraph.fused_moe_fp8_triton
             weights = [(r, *(t for w in ws for t in quantize(w)), sgw) for r, *ws, sgw in weights]
         res["fp8"], res["device"] = args.fp8, torch.cuda.get_device_name()
