@@ -518,6 +518,8 @@ def main(argv=None) -> int:
                          "(the CPU tests: seconds instead of a minute per graph)")
     ap.add_argument("--quant", default="none", choices=["none", "fp8", "int8"],
                     help="quantize the random weights as `onegraph export --quant` does (before concatenation)")
+    ap.add_argument("--fp8-lm-head", action="store_true",
+                    help="with --quant fp8: the head as block FP8 too, as `onegraph export --fp8-lm-head` does")
     ap.add_argument("--jobs", type=int, default=0,
                     help="graphs lowered side by side in worker processes before any is timed (default: as many as "
                          "the machine's cores and memory allow, export/workers.py); 1: each lowered when it is timed")
@@ -530,6 +532,9 @@ def main(argv=None) -> int:
                                 and args.interleave_prompt + 32 <= args.max_seq_len):
         print(f"bench_big: --interleave {args.interleave} needs a --batch bucket of at least {args.interleave} rows and "
               f"--interleave-prompt + 32 tokens (each stream's) within --max-seq-len", file=sys.stderr)
+        return 2
+    if args.fp8_lm_head and args.quant != "fp8":
+        print("bench_big: --fp8-lm-head needs --quant fp8", file=sys.stderr)
         return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_big: needs a CUDA device", file=sys.stderr)
@@ -565,7 +570,7 @@ def main(argv=None) -> int:
            "layers": len(ModelConfig.from_hf(hf).layer_types), "layers_full": args.layers_full,
            "position": args.position, "kernels": args.kernels, "fp32_reduce": args.fp32_reduce,
            "identical_experts": args.identical_experts, "quant": args.quant, "router": args.router,
-           "fold_norms": not args.no_fold_norms}
+           "fold_norms": not args.no_fold_norms, "fp8_lm_head": args.fp8_lm_head}
     t = time.time()
     cfg = ModelConfig.from_hf(hf)
     model = random_model(cfg, dtype, dev, fp32_reduce=args.fp32_reduce,   # every rank: the same weights
@@ -575,6 +580,9 @@ def main(argv=None) -> int:
     if args.quant != "none":
         from onegraph.checkpoint.quant import quantize_model
         res["quantized_weights"] = quantize_model(model, args.quant)
+        if args.fp8_lm_head:
+            from onegraph.checkpoint.quant import quantize_lm_head
+            quantize_lm_head(model)
         torch.cuda.empty_cache()
     if tp > 1:
         full, model = model, shard_model(model, args.rank, tp)
