@@ -342,24 +342,46 @@ def prefix_cache_bytes(args, art) -> int | None:
     return None
 
 
+# The third-party top-level modules that server/ and uvicorn import and no other command needs, with the pip name
+# that installs each. A GPU host installed with `pip install --no-deps` may lack them; only `serve` imports them.
+SERVER_PACKAGES = {"fastapi": "fastapi", "starlette": "fastapi", "pydantic": "pydantic", "uvicorn": "uvicorn",
+                   "prometheus_client": "prometheus-client"}
+
+
+def import_server():
+    """(uvicorn, server.app.create_app, server.limits), or UserError naming the missing package and its
+    `pip install`: one line, not the ImportError's traceback. Named, not `pip install 'onegraph[...]'`:
+    they are onegraph's own dependencies, and installing onegraph's would replace a GPU host's CUDA torch
+    with the CPU build it pins."""
+    try:
+        from onegraph.server.app import create_app        # fastapi first: the package a user knows by name
+        from onegraph.server import limits
+        import uvicorn
+    except ModuleNotFoundError as e:
+        top = (e.name or "").partition(".")[0]
+        if top not in SERVER_PACKAGES:
+            raise                      # not a server package: a real bug, shown as one
+        raise UserError(f"{top} is not installed (the HTTP server needs it): pip install "
+                        f"{' '.join(dict.fromkeys(SERVER_PACKAGES.values()))}") from None
+    return uvicorn, create_app, limits
+
+
 def cmd_serve(args) -> int:
     """OpenAI-compatible HTTP server over one Engine. SIGTERM/SIGINT: stop accepting, cancel what
     is in flight (streams end with an error event), close the engine, exit 0."""
     import asyncio
     import contextlib
     import signal
-    import uvicorn
+    uvicorn, create_app, limits = import_server()        # first: its packages missing is a one-line error
     from onegraph.runtime import Engine, ranks
-    from onegraph.runtime.checks import usable_device
-    from onegraph.server import limits
-    from onegraph.server.app import create_app
+    from onegraph.runtime.checks import check_max_request_bytes, usable_device
     if not is_artifact(args.artifact):
         raise UserError(f"{args.artifact} is not an exported artifact (no manifest.json)")
     if args.max_slots < 1 or args.max_queue < 0:
         raise UserError("need --max-slots >= 1 and --max-queue >= 0")
     if args.prefill_budget is not None and args.prefill_budget < 1:
         raise UserError(f"--prefill-budget must be >= 1 tokens, got {args.prefill_budget}")
-    limits.check_max_request_bytes(args.max_request_bytes)
+    check_max_request_bytes(args.max_request_bytes)
     if args.prefix_cache_gb is not None and not args.prefix_cache_gb > 0:     # also NaN
         raise UserError(f"--prefix-cache-gb must be > 0 GiB (--no-prefix-cache turns the cache off), got "
                         f"{args.prefix_cache_gb}")
@@ -609,7 +631,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: artifact dir name)")
     p.add_argument("--device", default=None, help="artifact device (default: the one it was exported for)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    from onegraph.server.limits import DEFAULT_MAX_REQUEST_BYTES
+    from onegraph.runtime.checks import DEFAULT_MAX_REQUEST_BYTES
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="a larger request body is answered 413 before it is parsed")
     add_runtime_args(p)

@@ -193,7 +193,7 @@ class Engine:
     # ---------------- caller side ----------------
     @property
     def tokenizer(self):
-        """The artifact's tokenizer (server/text.py TextCodec: encode(str) -> ids, decode(ids) -> str)."""
+        """The artifact's tokenizer (runtime/codec.py TextCodec: encode(str) -> ids, decode(ids) -> str)."""
         return text.tokenizer(self)
 
     def generate_text(self, prompt: str, max_new_tokens: int = 32, **sampling) -> str:

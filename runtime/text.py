@@ -5,7 +5,7 @@
     for delta in engine.stream_text("def fibonacci(n):"):
         print(delta, end="")
 
-The tokenizer is the artifact's tokenizer.json through server/text.py's TextCodec and its incremental
+The tokenizer is the artifact's tokenizer.json through runtime/codec.py's TextCodec and its incremental
 detokenizer (text deltas never split a UTF-8 character): the one text pipeline the HTTP server uses.
 
 DEFAULT_SAMPLING is what `onegraph generate` and these methods do without sampling arguments: the
@@ -25,7 +25,7 @@ def tokenizer(engine):
     """The engine's artifact's TextCodec (encode / decode), loaded once; FileNotFoundError without a
     tokenizer.json."""
     if getattr(engine, "_codec", None) is None:
-        from onegraph.server.text import TextCodec
+        from .codec import TextCodec
         if engine.artifact is None:
             raise ValueError("text needs an engine over an artifact (Engine.from_artifact): its tokenizer.json")
         engine._codec = TextCodec.from_artifact(engine.artifact.path)
@@ -45,7 +45,7 @@ def stream_text(engine, prompt: str, max_new_tokens: int = 32, temperature: floa
                 stop_ids=None) -> Iterator[str]:
     """Text deltas of the continuation of `prompt`, as the engine produces them (blocking iterator;
     closing it early cancels the request). Validation errors raise before the first delta."""
-    from onegraph.server.text import IncrementalDetokenizer
+    from .codec import IncrementalDetokenizer
     codec = tokenizer(engine)
     ids = codec.encode(prompt)
     events: queue.SimpleQueue = queue.SimpleQueue()

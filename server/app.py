@@ -34,14 +34,15 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from onegraph.runtime import QueueFull
+from onegraph.runtime.checks import DEFAULT_MAX_REQUEST_BYTES
+from onegraph.runtime.codec import TextCodec
 
 from .choices import Choice, Job, full_body
-from .limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
+from .limits import BodyLimit
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .parsers import tool_schemas
 from .schema import (ApiError, ChatRequest, CompletionRequest, SamplingRequest, internal_error, not_supported,
                      validation_error)
-from .text import TextCodec
 
 log = logging.getLogger("onegraph.server")
 

@@ -10,10 +10,11 @@ import dataclasses
 import time
 from typing import Any
 
+from onegraph.runtime.codec import IncrementalDetokenizer, TextCodec
+
 from .parsers import ChatOutputParser, merge_tool_delta
 from .schema import ApiError
 from .stops import StopMatcher
-from .text import IncrementalDetokenizer, TextCodec
 
 
 @dataclasses.dataclass

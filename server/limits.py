@@ -1,5 +1,7 @@
 """The server's input bounds: the listening socket (bound before the artifact loads, so a bad or busy
-port costs no load) and the request body limit (413 before any parsing or tokenizing).
+port costs no load) and the request body limit (413 before any parsing or tokenizing). The limit's
+default and its check live in runtime/checks.py: the CLI's parser shows the default without importing
+the server.
 
 Each check raises ValueError with one line; the CLI prints it and exits 2.
 """
@@ -7,15 +9,9 @@ from __future__ import annotations
 
 import socket
 
+from onegraph.runtime.checks import check_max_request_bytes
+
 from .schema import ApiError
-
-DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024   # a 256k-token prompt as JSON is ~1-2 MB; 4 MiB leaves room
-
-
-def check_max_request_bytes(n: int) -> int:
-    if n < 1:
-        raise ValueError(f"--max-request-bytes must be >= 1, got {n}")
-    return n
 
 
 def check_port(port: int) -> int:

@@ -183,3 +183,43 @@ def test_sampling_is_checked_by_the_engine_rule(temperature, top_k, top_p, seed)
     args = Namespace(max_new_tokens=4, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     with pytest.raises(cli.UserError, match=re.escape(str(want.value))):
         cli.check_sampling(args)
+
+
+# A meta-path finder that makes the HTTP server's packages look uninstalled, as on a GPU host installed with
+# `pip install --no-deps`: every command but `serve` must run there (only cmd_serve imports server/).
+NO_SERVER_PACKAGES = """
+import sys
+class NoServerPackages:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {"fastapi", "uvicorn", "pydantic", "prometheus_client"}:
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)", name=name)
+sys.meta_path.insert(0, NoServerPackages())
+"""
+
+
+def without_server_packages(code: str):
+    return subprocess.run([sys.executable, "-c", NO_SERVER_PACKAGES + code], capture_output=True, text=True,
+                          timeout=TIMEOUT, env=ENV)
+
+
+def test_commands_but_serve_need_no_server_packages():
+    p = without_server_packages("""
+import onegraph.runtime.engine, onegraph.runtime.text
+from onegraph.cli import build_parser, main
+build_parser()
+for cmd in ("export", "inspect"):
+    try:
+        main([cmd, "--help"])
+    except SystemExit as e:
+        assert e.code == 0, (cmd, e.code)
+assert not [m for m in sys.modules if m.startswith("onegraph.server")], "server/ imported outside serve"
+print("ok")
+""")
+    assert p.returncode == 0 and p.stdout.rstrip().endswith("ok"), p.stderr
+
+
+def test_serve_without_server_packages_is_one_line_naming_fastapi():
+    p = without_server_packages("from onegraph.cli import main; sys.exit(main(['serve', 'artifacts/none']))")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "fastapi" in lines[0] and "pip install" in lines[0], lines

@@ -131,7 +131,7 @@ def engine(serve_artifact):
 
 @pytest.fixture(scope="module")
 def codec(serve_artifact):
-    from onegraph.server.text import TextCodec
+    from onegraph.runtime.codec import TextCodec
     return TextCodec.from_artifact(serve_artifact)
 
 

@@ -2,7 +2,9 @@
 
 - no import cycle among installed modules but the op registry's (custom_ops/ registers its Triton lowerings,
   which import the ops they lower): a name two modules share lives in a module below both;
-- runtime/ never imports export/ (graph signatures live in graphs/, which both read) nor commands/ or scripts/;
+- runtime/ never imports export/ (graph signatures live in graphs/, which both read) nor server/ (the text
+  codec and the CLI's serve defaults live in runtime/, so every command but `serve` runs without fastapi),
+  commands/ or scripts/;
 - `manifest.json` is opened only by runtime/artifact.py (the one reader; export writes through it too);
 - no installed module imports a measurement script (scripts/ is not installed);
 - no import cycle among scripts/ modules (helpers they share live in a module of their own).
@@ -42,8 +44,8 @@ def test_imports_resolve_relative_forms(tmp_path):
             "onegraph.runtime.artifact"} <= got
 
 
-def test_runtime_never_imports_export_or_tools():
-    banned = ("onegraph.export", "onegraph.commands", "onegraph.scripts")
+def test_runtime_never_imports_export_server_or_tools():
+    banned = ("onegraph.export", "onegraph.server", "onegraph.commands", "onegraph.scripts")
     bad = {str(p.relative_to(ROOT)): sorted(m for m in imports(p) if m in banned or m.startswith(banned_dot))
            for p in sorted((ROOT / "runtime").rglob("*.py")) for banned_dot in [tuple(b + "." for b in banned)]}
     assert not {k: v for k, v in bad.items() if v}, bad

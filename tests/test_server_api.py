@@ -15,7 +15,7 @@ import pytest
 from onegraph.runtime import Engine, Event, QueueFull  # noqa: F401
 from onegraph.server.app import create_app
 from server_helpers import running  # noqa: E402
-from onegraph.server.text import TextCodec
+from onegraph.runtime.codec import TextCodec
 
 MODEL = "tiny-test"
 MSGS = [{"role": "user", "content": "Hello there, who are you?"}]

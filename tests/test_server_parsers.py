@@ -315,7 +315,7 @@ EMITTED = ("The user wants tomorrow, hourly.\n</think>\n\nLet me check.\n\n<tool
 def qwen_codec():
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
-    from onegraph.server.text import TextCodec
+    from onegraph.runtime.codec import TextCodec
     return TextCodec(Tokenizer(WordLevel({"x": 0}, unk_token="x")), QWEN_TEMPLATE, {"bos_token": "", "eos_token": ""})
 
 

@@ -1,7 +1,9 @@
-"""Text side of the server: tokenizer (the `tokenizers` library over the artifact's tokenizer.json),
-chat template (tokenizer_config.json `chat_template` or chat_template.jinja, rendered in a jinja2
-*sandboxed* environment: a template is data that came with a checkpoint, not trusted code), and an
-incremental detokenizer that never emits half a UTF-8 character.
+"""Text of an artifact: tokenizer (the `tokenizers` library over the artifact's tokenizer.json), chat
+template (tokenizer_config.json `chat_template` or chat_template.jinja, rendered in a jinja2 *sandboxed*
+environment: a template is data that came with a checkpoint, not trusted code), and an
+incremental detokenizer that never emits half a UTF-8 character. It lives in runtime/ (jinja2 and
+tokenizers, no HTTP) because two callers share it: the Python text API (runtime/text.py) and the HTTP
+server (server/), so `Engine.generate_text` works where the server's packages are not installed.
 
 Contract: `TextCodec.from_artifact(dir)` fails loudly (FileNotFoundError) without tokenizer.json;
 `encode(str) -> list[int]`, `render_chat(messages, tools) -> str` raise ValueError on input the
