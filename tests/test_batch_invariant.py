@@ -62,18 +62,6 @@ def test_linear_rows_equal_alone(M, dtype):
 
 
 @needs_triton
-@pytest.mark.parametrize("K", [300, 2048])
-def test_linear_rows_do_not_depend_on_rows_per_program(K):
-    """gemv_rows' R rows a program: a row's bits are the one-row loop's at every R, and at every place in its
-    group (M = 5 leaves the last group of 4 part empty)."""
-    from onegraph.custom_ops.triton.linear_invariant import gemv_rows
-    x, w = linear_case(5, 12, K, seed=1)
-    one = gemv_rows(x, w, rows=1)
-    for r in (2, 4, 8):
-        assert torch.equal(gemv_rows(x, w, rows=r), one), f"R={r} changed a row's bits"
-
-
-@needs_triton
 def test_add_rms_norm_linear_rows_equal_alone():
     from onegraph.custom_ops.add_rms_norm_linear import reference_add_rms_norm_linear
     g = torch.Generator().manual_seed(3)
