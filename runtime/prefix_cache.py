@@ -32,8 +32,8 @@ that finds no free pool row and nothing evictable is not stored. Eviction is LRU
 other entry extends) that no request pins: a request pins the chain it matched and the blocks it stored
 until its prefill ends, so a chain it extends stays whole.
 
-All copies are tensor ops on the device (one foreach call per block stored, one copy per state tensor per
-hit), run on the engine thread between graph calls over views made once; the host does per-block
+All copies are tensor ops on the device (a hit, and a block stored, is one torch._foreach_copy_ per state
+dtype over views made once), run on the engine thread between graph calls; the host does per-block
 bookkeeping only.
 
 What it refuses (`unsupported`): state tensors of speculative decoding (the MTP head's KV, spec.y, spec.pos)
@@ -114,13 +114,18 @@ class PrefixCache:
                                   else (self.capacity, *t.shape[1:]), dtype=t.dtype, device=t.device)
                       for t, k in zip(state, self.kinds)]
         self.free_rows = list(range(self.capacity))
-        # views made once and reused (a store's host time was mostly making views): pool row -> (its KV rows,
-        # its GDN rows), slot -> GDN rows, (slot, block) -> KV rows [KVH, C, D] (the last two as first used)
         self.kv = [i for i, k in enumerate(self.kinds) if k == "kv"]
         self.gdn = [i for i, k in enumerate(self.kinds) if k != "kv"]
-        self._dst = [([self.pools[i][r] for i in self.kv], [self.pools[i][r] for i in self.gdn])
-                     for r in range(self.capacity)]
-        self._src_gdn, self._src_kv = {}, {}
+        # Every copy (a hit: pool rows -> slot, a store: slot -> a pool row) is one torch._foreach_copy_ per
+        # dtype (bf16 KV and conv, fp32 recurrent: 2) over views made once, as first used, and kept in
+        # self._views (making views was most of a store's host time). On CUDA its fused path (a kernel per
+        # ~64 tensors, not one per tensor) needs src and dst of one dtype, dense, of equal sizes and strides;
+        # a slot's KV block [KVH, C, D] of [KVH, Tmax, D] is strided, so a KV block is one [C, D] view per KV
+        # head. (35B, a hit of 15 blocks: 600 KV views + 60 GDN rows in 2 calls, where an index_select and a
+        # copy_ per KV tensor and a copy_ per GDN tensor made ~100 ops; other layouts take the slow path: the
+        # same bits, a copy_ each.)
+        self.groups = {d: g for g, d in enumerate(dict.fromkeys(t.dtype for t in state))}   # dtype -> group
+        self._views: dict[tuple, list[list[torch.Tensor]]] = {}
         self.entries: collections.OrderedDict[bytes, Entry] = collections.OrderedDict()   # LRU first
         self.root = hashlib.sha256(scope.encode()).digest()
         self.counters = collections.Counter()
@@ -161,14 +166,11 @@ class PrefixCache:
         for e in reversed(chain):                  # a parent stays more recent than its children
             e.pins += 1
             self.entries.move_to_end(e.key)
-        rows = torch.tensor([e.row for e in chain], dtype=torch.int64, device=self.pools[0].device)
         P = n * self.C
-        for t, pool, kind in zip(self.state, self.pools, self.kinds):
-            if kind == "kv":                       # [n, KVH, C, D] -> the slot's rows [0, P) as [KVH, n, C, D]
-                t[slot, :, :P].view(t.shape[1], n, self.C, *t.shape[3:]).copy_(
-                    pool.index_select(0, rows).transpose(0, 1))
-            else:                                  # the state after token P - 1
-                t[slot].copy_(pool[chain[-1].row])
+        # block b's KV rows (chain[b]'s pool row) -> the slot's rows [bC, (b+1)C); the last entry's GDN state
+        # (after token P - 1) -> the slot's
+        self._copy([(self._slot_kv(slot, b), self._row_kv(e.row)) for b, e in enumerate(chain)]
+                   + [(self._slot_gdn(slot), self._row_gdn(chain[-1].row))])
         self.counters["hit_tokens"] += P
         self.counters["hits"] += 1
         return P
@@ -203,28 +205,53 @@ class PrefixCache:
             self.entries.move_to_end(key)
             snap, kv = (snap or e.wanted) and not e.state, False
         if kv or snap:
-            dst_kv, dst_gdn = self._dst[e.row]
-            dst, src = (dst_kv, self._kv_views(slot, b)) if kv else ([], [])
+            pairs = [(self._row_kv(e.row), self._slot_kv(slot, b))] if kv else []
             if snap:
-                dst, src = dst + dst_gdn, src + self._gdn_views(slot)
+                pairs.append((self._row_gdn(e.row), self._slot_gdn(slot)))
                 e.state = True
                 self.counters["state_snapshots"] += 1
-            torch._foreach_copy_(dst, src)         # one call for every tensor copied (a copy_ each costs more)
+            self._copy(pairs)
         e.pins += 1
         chain.append(e)
 
-    def _kv_views(self, slot: int, b: int) -> list:
-        """The slot's KV rows of block b: [KVH, C, D] per KV tensor."""
-        v = self._src_kv.get((slot, b))
+    def _copy(self, pairs: list) -> None:
+        """dst <- src for each (dst, src) pair of view lists grouped by dtype: one torch._foreach_copy_ per
+        dtype for all of them."""
+        dst, src = [[] for _ in self.groups], [[] for _ in self.groups]
+        for d, s in pairs:
+            for g in range(len(self.groups)):
+                dst[g] += d[g]
+                src[g] += s[g]
+        for d, s in zip(dst, src):
+            if d:
+                torch._foreach_copy_(d, s)
+
+    def _grouped(self, key: tuple, views) -> list[list[torch.Tensor]]:
+        """The views of `key`, made once from `views` (a callable -> [(state index, view)]), a list per dtype."""
+        v = self._views.get(key)
         if v is None:
-            v = self._src_kv[slot, b] = [self.state[i][slot, :, b * self.C:(b + 1) * self.C] for i in self.kv]
+            v = self._views[key] = [[] for _ in self.groups]
+            for i, view in views():
+                v[self.groups[self.state[i].dtype]].append(view)
         return v
 
-    def _gdn_views(self, slot: int) -> list:
-        v = self._src_gdn.get(slot)
-        if v is None:
-            v = self._src_gdn[slot] = [self.state[i][slot] for i in self.gdn]
-        return v
+    def _slot_kv(self, slot: int, b: int) -> list:
+        """The slot's KV rows of block b: [C, D] per KV tensor [S+1, KVH, Tmax, D] and head."""
+        C = self.C
+        return self._grouped(("slot_kv", slot, b), lambda: [
+            (i, self.state[i][slot, h, b * C:(b + 1) * C]) for i in self.kv for h in range(self.state[i].shape[1])])
+
+    def _row_kv(self, row: int) -> list:
+        """A pool row's KV rows, as _slot_kv's: [C, D] per KV pool [N, KVH, C, D] and head."""
+        return self._grouped(("row_kv", row), lambda: [
+            (i, self.pools[i][row, h]) for i in self.kv for h in range(self.pools[i].shape[1])])
+
+    def _slot_gdn(self, slot: int) -> list:
+        """The slot's GDN state: [Ch, W-1] per conv tensor, [HV, K, V] per recurrent one."""
+        return self._grouped(("slot_gdn", slot), lambda: [(i, self.state[i][slot]) for i in self.gdn])
+
+    def _row_gdn(self, row: int) -> list:
+        return self._grouped(("row_gdn", row), lambda: [(i, self.pools[i][row]) for i in self.gdn])
 
     def release(self, chain: list[Entry]) -> None:
         """Unpin a request's chain (its prefill ended or it was cancelled)."""

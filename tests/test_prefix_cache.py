@@ -338,6 +338,47 @@ def test_snapshots_only_where_a_later_hit_can_end():
     assert torch.equal(state[0][1, :, :32], state[0][0, :, :32])
 
 
+def test_hit_copy_is_one_foreach_copy_per_dtype():
+    """No artifact: the hit's copy into the slot is one torch._foreach_copy_ per state dtype (bf16 KV and conv,
+    fp32 recurrent: 2 ops), whatever the number of layers and cached blocks (it was an index_select and a copy_
+    per KV tensor and a copy_ per GDN tensor: 100 at the 35B's 10 attention + 30 GDN layers), and copies the
+    same bits: the slot's KV rows [0, P) and GDN state equal the ones the blocks were stored from. Counted at
+    the dispatcher (every aten op the lookup issues; views are metadata and not counted)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    def hit_ops(attn, gdn, blocks):
+        meta = ([{"shape": ["S", 2, 128, 4], "dtype": "bfloat16", "kind": "kv"}] * (2 * attn)
+                + [{"shape": ["S", 6, 3], "dtype": "bfloat16", "kind": "conv"},
+                   {"shape": ["S", 2, 4, 4], "dtype": "float32", "kind": "recurrent"}] * gdn)
+        g = torch.Generator().manual_seed(attn + gdn + blocks)
+        state = [torch.randn((3, *m["shape"][1:]), generator=g).to(getattr(torch, m["dtype"])) for m in meta]
+        cache = PrefixCache(state, meta, 16, 8 * block_bytes(meta, 16), "scope")
+        p, chain = list(range(blocks * 16 + 1)), []
+        for done in range(16, blocks * 16 + 1, 16):
+            cache.store(p, done, 0, chain)
+        counts = []
+        for _ in range(2):                                 # views made on the first hit, reused on the second
+            with Ops() as mode:
+                assert cache.lookup(p, 1, []) == blocks * 16
+            counts.append(mode.ops)
+        for t, m in zip(state, meta):
+            assert torch.equal(t[1, :, :blocks * 16], t[0, :, :blocks * 16]) if m["kind"] == "kv" else \
+                torch.equal(t[1], t[0])
+        return counts
+    for shape in [(1, 1, 1), (10, 30, 7)]:
+        assert hit_ops(*shape) == [["aten._foreach_copy_.default"] * 2] * 2
+
+
 def test_bench_prefix_cache_big_on_cpu(tmp_path, one_thread):
     """scripts/bench_prefix_cache_big (the H200 35B figures) on the tiny shape, fp32, its traced prefill graph run
     uncaptured: a 64-token prompt hits its 3 whole blocks (48 tokens) and a 40-token one its 2, the hit's
