@@ -64,15 +64,18 @@ def test_linear_triton_above_the_gemv_rows_is_the_aten_gemm():
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_triton_gemm_with_unaligned_rows_pads_the_weight(dtype):
-    """N = 17 (as the router's E + 1): the GEMM runs on the weight padded to 16-byte rows (cuBLAS would pick an
-    align-1 kernel otherwise); the result has N contiguous columns, each F.linear's column within an ulp."""
-    x, w = _inputs(lin.GEMV_MAX_M + 3, 17, 40, dtype, seed=2)
+    """N = 17 (as the router's E + 1), PAD_MIN_M rows: the GEMM runs on the weight padded to 16-byte rows (cuBLAS
+    would pick an align-1 kernel otherwise); the result has N contiguous columns, each F.linear's within an ulp.
+    Fewer rows (decode buckets above the GEMV) take the plain GEMM."""
+    x, w = _inputs(lin.PAD_MIN_M, 17, 40, dtype, seed=2)
     y = torch.ops.onegraph.linear_triton(x, w)
-    assert y.shape == (lin.GEMV_MAX_M + 3, 17) and y.is_contiguous() and y.dtype == dtype
+    assert y.shape == (lin.PAD_MIN_M, 17) and y.is_contiguous() and y.dtype == dtype
     _check(y, x, w)
     rows = 16 // w.element_size()                                     # 4 fp32 / 8 bf16 rows: 20 / 24
     big = F.linear(x, torch.cat([w, torch.zeros_like(w[:-17 % rows])]))  # the padded product, computed apart
     assert torch.equal(y, big[:, :17])
+    x = x[: lin.PAD_MIN_M - 1]
+    assert torch.equal(torch.ops.onegraph.linear_triton(x, w), F.linear(x, w))
 
 
 @pytest.mark.parametrize("M", [1, 4, 16])

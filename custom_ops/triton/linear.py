@@ -25,6 +25,7 @@ from ..linear import _validate
 from ._common import INTERPRETED, launch, mma, rnd, to_dt
 
 GEMV_MAX_M = 16
+PAD_MIN_M = 256        # project(): the GEMM of unaligned rows pays its weight padding from this many rows
 
 
 @triton.jit
@@ -207,13 +208,15 @@ def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w [N, K].T: the GEMV up to GEMV_MAX_M rows, the aten GEMM above (static at trace time:
     prefill chunks and large decode buckets).
 
-    The GEMM's output rows must be 16-byte aligned: with N = 257 (the MoE router, [E experts; shared gate])
-    cuBLAS picks a `cutlass_75 ... align1` kernel, 16.7 us a call at a 512-token chunk on the H200 for a
-    0.5 GFLOP product (0.67 ms of TTFT(512)). So the weight is padded with zero rows to the alignment, the
-    product made with aligned rows [M, N + pad], and its first N columns returned (contiguous, as the fake)."""
+    cuBLAS picks a `cutlass_75 ... align1` kernel when y's rows are not 16-byte aligned (the MoE router's N = 257:
+    [E experts; shared gate]). From PAD_MIN_M rows the weight is padded with zero rows to the alignment, the
+    product made with aligned rows [M, N + pad] and its first N columns copied out (contiguous, as the fake):
+    H100, K = 2048, µs a call (benchmarks/h100_gemm_align.json): M = 512 20.1 -> 11.9, 2048 49.3 -> 13.6, 8192
+    157.2 -> 26.8; at M = 64 the pad and the copy cost more than they save (8.8 -> 11.4), so decode buckets keep
+    the plain call."""
     if x.shape[0] > GEMV_MAX_M:
         pad = -w.shape[0] % (16 // w.element_size())
-        if pad:
+        if pad and x.shape[0] >= PAD_MIN_M:
             return F.linear(x, F.pad(w, (0, 0, 0, pad)))[:, :w.shape[0]].contiguous()
         return F.linear(x, w)
     return gemv(x, w)
