@@ -288,3 +288,27 @@ def test_bench_engine_host_with_and_without_speculation(spec_artifact, one_threa
     assert on["speculative_tokens"] == K and off["speculative_tokens"] == 0
     assert 1 <= on["mean_accepted_length"] <= K + 1 and off["mean_accepted_length"] is None
     assert on["host_us_per_step"] > 0 and off["host_us_per_step"] > 0 and on["tok_s"] > 0 and off["tok_s"] > 0
+
+
+def test_fp8_artifact_speculation_identical(tmp_path, one_thread):
+    """`--quant fp8 --fp8-lm-head` with speculation: the spec round over FP8 projections and experts and the
+    block-FP8 output head (the drafts' pruned rows of it too); greedy output equals speculation off on the same
+    artifact for 48 tokens, with drafts accepted (the trained MTP head still agrees with the FP8 model)."""
+    from onegraph.export.pipeline import ExportOptions, export
+    from onegraph.runtime import Engine
+    out = tmp_path / "tiny_fp8_spec"
+    export("tiny", out, ExportOptions(batch_sizes=(1,), prefill_chunks=(16,), max_seq_len=96, quant="fp8",
+                                      fp8_lm_head=True, speculative_tokens=2, draft_vocab=DRAFT_VOCAB), progress=False)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["options"]["quant"] == "fp8" and m["options"]["fp8_lm_head"] and m["speculative_tokens"] == 2
+    on = Engine.from_artifact(out, max_slots=1)
+    off = Engine.from_artifact(out, max_slots=1, check_parity=False, speculation=False)
+    try:
+        for p in heldout_prompts(2, 32):
+            want = off.generate(p, 48).token_ids
+            r = on.generate(p, 48)
+            assert r.token_ids == want
+            assert r.speculation["rounds"] < 48 and r.speculation["accepted_mean"] > 0.3
+    finally:
+        on.close()
+        off.close()
