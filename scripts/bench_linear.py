@@ -9,6 +9,8 @@ against the pair it replaces (the add_rms_norm kernel, then the GEMV at its tile
 
 --fp8: onegraph::linear_fp8's kernel (block-FP8 weights, custom_ops/triton/linear_fp8.py) on the FP8 model's
 projections (models/qwen3_5/fuse.py: the GDN in_proj's FP8 run [qkv; z]; the attention's [q; k; v]; out/o_proj).
+Rows above 128 (prefill chunks, `--fp8 --rows 512,2048`) sweep the larger tiles and the launch order's group of M
+tiles, and add TFLOP/s.
 
 Each measurement is one CUDA graph of `calls` launches on distinct copies of the weight (so L2 never
 holds it), replayed `reps` times: µs per call and its fraction of the device's copy bandwidth. For every
@@ -46,6 +48,11 @@ FP8_DOT_TILES = [(16, bn, bk, w, s) for bn, bk, w, s in itertools.product((16, 3
                                                                          (2, 3, 4, 5)) if bn * bk <= 16384]
 FP8_MANY_TILES = [(bm, bn, bk, w, s) for bm, bn, bk, w, s in itertools.product((16, 32, 64), (32, 64, 128), (64, 128),
                                                                                (4, 8), (4,)) if bn * bk <= 8192]
+# prefill rows (M > BATCH_MAX_M, compute-bound): larger tiles, each in the launch order of 1 and of 8 M tiles a group
+# (linear_fp8.GROUP_M); reported in TFLOP/s beside cuBLAS on the bf16 weight
+FP8_PREFILL_TILES = [(bm, bn, bk, w, 3, gm) for bm, bn, bk, w, gm in itertools.product((64, 128), (64, 128), (64, 128),
+                                                                                     (4, 8), (1, 8))
+                     if bm * bn <= 4096 * w]
 # add_rms_norm_linear_fp8 at M = 1: the whole row one tile (BK = K), or the K-looped form (BK < K)
 FP8_NORM_TILES = [(1, bn, 2048, w, 1) for bn, w in itertools.product((1, 2, 4, 8), (4, 8))]
 FP8_NORM_TILES += [(1, bn, bk, w, s) for bn, bk, w, s in itertools.product((8, 16, 32, 64), (256, 512, 1024), (4, 8),
@@ -215,9 +222,11 @@ def main(argv=None) -> int:
             if args.fp8:                                           # e4m3 bytes + one fp32 scale per 128x128 block
                 scale = torch.rand(-(-N // 128), -(-K // 128), device=dev) * 2.0 ** -6
                 ws = [(w * 64).to(torch.float8_e4m3fn) for w in ws]
-                run = lambda a, w, cfg=None: lin8.matmul(a, w, scale, cfg)   # noqa: E731
-                tiles = FP8_GEMV_TILES if M == 1 else FP8_DOT_TILES if M <= lin8.GEMV_MAX_M else FP8_MANY_TILES
-                cur = lin8.tile(M, K)
+                run = lambda a, w, cfg=None: lin8.matmul(a, w, scale, cfg and cfg[:5],           # noqa: E731
+                                                         group_m=cfg[5] if cfg and len(cfg) > 5 else None)
+                tiles = (FP8_GEMV_TILES if M == 1 else FP8_DOT_TILES if M <= lin8.GEMV_MAX_M else FP8_MANY_TILES
+                         if M <= lin8.BATCH_MAX_M else FP8_PREFILL_TILES)
+                cur = lin8.tile(M, K) + ((lin8.GROUP_M["many"],) if M > lin8.BATCH_MAX_M else ())
             else:
                 run = lambda a, w, cfg=None: lin.gemv(a, w, cfg)   # noqa: E731
                 tiles, cur = (GEMV_TILES if M == 1 else DOT_TILES), lin.tile(M, K)
@@ -232,6 +241,9 @@ def main(argv=None) -> int:
             row["best_bw"] = round(nbytes / (per[best] * 1e-6) / bw, 3)
             row["current_tile"] = list(cur)
             row["current_us"] = round(per.get(cur, time_calls(lambda a, w: run(a, w), ws, x, args.reps)), 2)
+            if M > 128:                                         # compute-bound: TFLOP/s of the best tile and cuBLAS
+                row["best_tflops"] = round(2 * M * N * K / (per[best] * 1e-6) / 1e12, 1)
+                row["cublas_bf16_tflops"] = round(2 * M * N * K / (row["cublas_bf16_us"] * 1e-6) / 1e12, 1)
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
             del ws

@@ -179,6 +179,22 @@ def _check_tail(y, x, w, scale, tail):
 
 
 @needs_triton
+@pytest.mark.parametrize("group_m", [2, 3, 8])
+def test_launch_order_groups_change_no_bit(group_m):
+    """The dot path's 1-D launch order (_fp8_kernel GM: group_m M tiles of one weight tile side by side) only
+    reorders programs: 5 M tiles of 16 rows (the last partial, so a group may be cut short) x 3 weight tiles + a
+    tail tile give GM = 1's bits, and the reference's values."""
+    K, N, M = 256, 96, 65
+    w, scale = _fp8_weight(N, K, seed=60)
+    x = _x(M, K, torch.float32, seed=61)
+    tail = _x(8, K, torch.float32, seed=62) * 0.05
+    cfg = (16, 32, 64, 4, 2)
+    y = lin8.matmul(x, w, scale, cfg, tail=tail, group_m=group_m)
+    assert torch.equal(y, lin8.matmul(x, w, scale, cfg, tail=tail, group_m=1))
+    _check_tail(y, x, w, scale, tail)
+
+
+@needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("M", [1, 3, 17])
 def test_tail_rides_in_the_fp8_launch(M, dtype):

@@ -44,32 +44,46 @@ from .linear import GEMV_MAX_M, _h_tile, _normed_row
 @triton.jit
 def _fp8_kernel(x, w, s, t, y, M, N, NT, s_x_m, s_w_n, s_s_n, s_t_n, s_y_m, res, nw, normed, hout, eps,
                 K: tl.constexpr, SB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                DOT: tl.constexpr, DOT_F32: tl.constexpr, REGS: tl.constexpr, TAIL: tl.constexpr):
+                DOT: tl.constexpr, DOT_F32: tl.constexpr, REGS: tl.constexpr, TAIL: tl.constexpr, GM: tl.constexpr):
     """y[m-tile, n-tile] = x[m-tile] @ (fp32(w) * s)[n-tile].T; x, w, t contiguous along K; SB = 128.
     TAIL (a float tail t [NT, K]): the programs after the cdiv(N, BN) FP8 ones take t's rows BN at a time, at the
     same tile (_rows), unscaled, and write columns N.. of y (row stride N + NT). Without it the launch is the
     FP8 rows' alone (the branch is compiled out).
     REGS (add_rms_norm_linear_fp8 at M == 1, BK = next_pow2(K)): the rows multiplied are add_rms_norm's normed
     row, made in registers as custom_ops/triton/linear.py's REGS path makes it (program 0 writes normed and h)."""
-    pid = tl.program_id(0)
+    q = tl.program_id(0)
+    if DOT:
+        # a 1-D grid of (N tiles + tail tiles) x M tiles; pid its weight (N) tile, pm its M tile. Launch order: GM
+        # M tiles of one weight tile side by side, then the next weight tile (GM = 1: an M tile's every weight tile,
+        # then the next M tile). With GM >= the M tiles, the programs sharing a weight tile run together and the
+        # weight comes from DRAM once; a group of GM M tiles bounds the x rows that must stay in L2 meanwhile.
+        nm = tl.cdiv(M, BM)
+        per = GM * (tl.num_programs(0) // nm)
+        first = (q // per) * GM
+        pm = first + (q % per) % tl.minimum(nm - first, GM)
+        pid = (q % per) // tl.minimum(nm - first, GM)
+    else:
+        pm = 0
+        pid = q
     if TAIL:
         nf = (N + BN - 1) // BN
         if pid >= nf:
-            _rows(x, t, s, y + N, (pid - nf) * BN, NT, pid, M, s_x_m, s_t_n, s_s_n, s_y_m, res, nw, normed, hout,
-                  eps, K, SB, BM, BN, BK, DOT, DOT_F32, REGS, False)
+            _rows(x, t, s, y + N, (pid - nf) * BN, NT, pid, pm, M, s_x_m, s_t_n, s_s_n, s_y_m, res, nw, normed,
+                  hout, eps, K, SB, BM, BN, BK, DOT, DOT_F32, REGS, False)
         else:
-            _rows(x, w, s, y, pid * BN, N, pid, M, s_x_m, s_w_n, s_s_n, s_y_m, res, nw, normed, hout,
+            _rows(x, w, s, y, pid * BN, N, pid, pm, M, s_x_m, s_w_n, s_s_n, s_y_m, res, nw, normed, hout,
                   eps, K, SB, BM, BN, BK, DOT, DOT_F32, REGS, True)
     else:
-        _rows(x, w, s, y, pid * BN, N, pid, M, s_x_m, s_w_n, s_s_n, s_y_m, res, nw, normed, hout,
+        _rows(x, w, s, y, pid * BN, N, pid, pm, M, s_x_m, s_w_n, s_s_n, s_y_m, res, nw, normed, hout,
               eps, K, SB, BM, BN, BK, DOT, DOT_F32, REGS, True)
 
 
 @triton.jit
-def _rows(x, w, s, y, r0, N, pid, M, s_x_m, s_w_n, s_s_n, s_y_m, res, nw, normed, hout, eps, K: tl.constexpr,
+def _rows(x, w, s, y, r0, N, pid, pm, M, s_x_m, s_w_n, s_s_n, s_y_m, res, nw, normed, hout, eps, K: tl.constexpr,
           SB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
           DOT_F32: tl.constexpr, REGS: tl.constexpr, SCALED: tl.constexpr):
-    """Rows [r0, r0 + BN) of w [N, K] (columns of y, whose first column y points at) for the program `pid`.
+    """Rows [r0, r0 + BN) of w [N, K] (columns of y, whose first column y points at) for the program of weight
+    tile `pid` and (DOT) M tile `pm`.
     SCALED: w is e4m3 with block scales s; else a float weight (the tail) multiplied as it is, the same loop."""
     DT: tl.constexpr = y.dtype.element_ty
     rn = r0 + tl.arange(0, BN)
@@ -109,7 +123,7 @@ def _rows(x, w, s, y, r0, N, pid, M, s_x_m, s_w_n, s_s_n, s_y_m, res, nw, normed
         acc = wt.to(tl.float32) * _scaled(row.to(tl.float32), s, srow0, pk, mk, SB, SCALED)[None, :]
         tl.store(y + rn, to_dt(tl.sum(acc, axis=1), DT), mask=mn)
     elif DOT:
-        rm = tl.program_id(1) * BM + tl.arange(0, BM)
+        rm = pm * BM + tl.arange(0, BM)
         mm = rm < M
         srow = (rn // SB) * s_s_n                    # [BN] each row's block row in the scale table
         acc = tl.zeros([BM, BN], tl.float32)
@@ -167,8 +181,18 @@ TILES = {("one", 2048): (1, 32, 256, 8, 2), ("one", 4096): (1, 2, 4096, 4, 1),
 BATCH_MAX_M = 128
 
 
+# The launch order's group of M tiles per class (_fp8_kernel GM): 1 is an M tile's every weight tile, then the
+# next M tile's, so above one M tile each program re-reads its weight tile, from DRAM unless L2 still holds it.
+# `bench_linear --fp8 --rows 512,2048` sweeps GM in {1, 8} with the prefill tiles; not yet measured, so 1.
+GROUP_M = {"one": 1, "few": 1, "batch": 1, "many": 1}
+
+
+def _cls(M: int) -> str:
+    return "one" if bool(M == 1) else "few" if M <= GEMV_MAX_M else "batch" if M <= BATCH_MAX_M else "many"
+
+
 def tile(M: int, K: int) -> tuple[int, int, int, int, int]:
-    cls = "one" if bool(M == 1) else "few" if M <= GEMV_MAX_M else "batch" if M <= BATCH_MAX_M else "many"
+    cls = _cls(M)
     bm, bn, bk, warps, stages = TILES.get((cls, K), TILES[cls])
     floor = 1 if cls == "one" else 16                # tl.dot needs K-tiles of 16 at least
     return bm, bn, max(floor, min(bk, triton.next_power_of_2(K))), warps, stages
@@ -189,8 +213,10 @@ def norm_tile(K: int) -> tuple[int, int, int, int, int]:
 
 def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
            cfg: tuple[int, int, int, int, int] | None = None,
-           norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, tail: torch.Tensor | None = None):
-    """x [M, K] @ dequant(w [N, K], scale).T -> [M, N] x.dtype; cfg overrides the tile (benchmarks only).
+           norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, tail: torch.Tensor | None = None,
+           group_m: int | None = None):
+    """x [M, K] @ dequant(w [N, K], scale).T -> [M, N] x.dtype; cfg and group_m (the launch order's group of M tiles,
+    _fp8_kernel) override the tile's (benchmarks only).
     tail [Nt, K] (x.dtype): its rows x @ tail.T as columns N.. of y [M, N + Nt], by cdiv(Nt, BN) more programs of
     the same launch at the same tile (the FP8 columns are the tail-free launch's bits).
     norm = (residual [1, K], norm weight [K], eps), M == 1 only: add_rms_norm_linear_fp8's normed row instead
@@ -207,10 +233,10 @@ def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
         res, nw, eps = norm[0].contiguous(), norm[1], norm[2]
         normed, h = torch.empty_like(x), torch.empty_like(x)
         _, bn, bk, warps, stages = cfg or norm_tile(K)
-        launch(_fp8_kernel, (triton.cdiv(N, bn) + triton.cdiv(NT, bn), 1), x, w, scale, t, y, M, N, NT, x.stride(0),
+        launch(_fp8_kernel, (triton.cdiv(N, bn) + triton.cdiv(NT, bn),), x, w, scale, t, y, M, N, NT, x.stride(0),
                w.stride(0), scale.stride(0), t.stride(0), y.stride(0), res, nw, normed, h, eps, K=K, SB=BLOCK, BM=1,
                BN=bn, BK=min(bk, triton.next_power_of_2(K)), DOT=False, DOT_F32=INTERPRETED, REGS=True, TAIL=NT > 0,
-               num_warps=warps, num_stages=stages)
+               GM=1, num_warps=warps, num_stages=stages)
         return y, normed, h
     bm, bn, bk, warps, stages = cfg or tile(M, K)
     dot = bm > 1                                     # benchmarks may run the dot tiles at M = 1
@@ -218,10 +244,10 @@ def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
         raise ValueError(f"linear_fp8: the dot path needs a K tile dividing {BLOCK}, got {bk}")
     if not dot and BLOCK % bn:
         raise ValueError(f"linear_fp8: the GEMV needs a row tile dividing {BLOCK}, got {bn}")
-    launch(_fp8_kernel, (triton.cdiv(N, bn) + triton.cdiv(NT, bn), triton.cdiv(M, bm) if dot else 1),
+    launch(_fp8_kernel, ((triton.cdiv(N, bn) + triton.cdiv(NT, bn)) * (triton.cdiv(M, bm) if dot else 1),),
            x, w, scale, t, y, M, N, NT, x.stride(0), w.stride(0), scale.stride(0), t.stride(0), y.stride(0),
            x, x, y, y, 0.0, K=K, SB=BLOCK, BM=bm, BN=bn, BK=bk, DOT=dot, DOT_F32=INTERPRETED, REGS=False, TAIL=NT > 0,
-           num_warps=warps, num_stages=stages)
+           GM=group_m or GROUP_M[_cls(M)], num_warps=warps, num_stages=stages)
     return y
 
 
