@@ -215,10 +215,28 @@ def decode_layers_us(events: list) -> float:
     return events[lm][1] - events[first][2]
 
 
+def verify_kernels(events: list, k: int) -> dict:
+    """One round's device events -> µs per kernel name over its verify (between the k-th and the (k+1)-th sample
+    call, split_round's verify part): what a verify of K + 1 rows spends beyond a decode step."""
+    picks = [i for i, e in enumerate(events) if "_pick_kernel" in e[0]]
+    out: dict = {}
+    for name, t0, t1 in events[picks[k - 1] + 1:picks[k] + 1]:
+        out[name[:120]] = out.get(name[:120], 0.0) + t1 - t0
+    return out
+
+
 def profile_round(step, n: int, k: int) -> dict:
-    """n profiled rounds (device_events) -> the mean of split_round over them (µs)."""
-    parts = [split_round(evs, k) for evs in device_events(step, n)]
-    return {key: round(sum(p[key] for p in parts) / n, 1) for key in parts[0]}
+    """n profiled rounds (device_events) -> the mean of split_round over them (µs), and `verify_top_kernels_us`:
+    the 12 kernels of the verify with the most time (verify_kernels, mean over the rounds)."""
+    calls = device_events(step, n)
+    parts = [split_round(evs, k) for evs in calls]
+    res = {key: round(sum(p[key] for p in parts) / n, 1) for key in parts[0]}
+    per: dict = {}
+    for evs in calls:
+        for name, us in verify_kernels(evs, k).items():
+            per[name] = per.get(name, 0.0) + us / n
+    res["verify_top_kernels_us"] = {name: round(us, 1) for name, us in sorted(per.items(), key=lambda kv: -kv[1])[:12]}
+    return res
 
 
 def bench_round(model, weights, B: int, k: int, args, dev, decode_row: dict, bw: float, lower) -> dict:

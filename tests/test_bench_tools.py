@@ -108,10 +108,10 @@ def test_bench_big_layers_and_speculative_round_on_cpu(tmp_path):
 def test_bench_big_round_split():
     """split_round cuts a round's time-ordered device events at its sample calls: k drafts, then the verify's
     targets, then the commit up to the catch-up's first GEMM; a round with another count of sample calls
-    is refused. decode_layers_us: a step's layers span from its first Triton kernel's end to lm_head's start."""
+    is refused; verify_kernels sums the verify part's kernels by name. decode_layers_us: a step's layers span from its first Triton kernel's end to lm_head's start."""
     import pytest
 
-    from onegraph.scripts.bench_big_spec import decode_layers_us, split_round
+    from onegraph.scripts.bench_big_spec import decode_layers_us, split_round, verify_kernels
     ev = [("index_select", 0, 1), ("_gemv_kernel", 1, 3), ("_scan_kernel", 3, 4), ("_pick_kernel", 4, 5),   # draft 1
           ("_rms_norm_kernel", 5, 6), ("_gemv_kernel", 6, 7), ("_scan_kernel", 7, 8), ("_pick_kernel", 8, 9),  # draft 2
           ("_gdn_decode_kernel", 9, 12), ("_gemv_kernel", 12, 20), ("_scan_kernel", 20, 21),   # verify
@@ -122,6 +122,7 @@ def test_bench_big_round_split():
     assert (s["verify_lm_head_us"], s["verify_fixed_us"], s["kernels"]) == (8, 10, 15)
     with pytest.raises(ValueError, match="sample calls"):
         split_round(ev, 1)
+    assert verify_kernels(ev, 2) == {"_gdn_decode_kernel": 3, "_gemv_kernel": 8, "_scan_kernel": 1, "_pick_kernel": 1}
     # a decode step: runtime copies and token gather, embedding, two layers, final norm, lm_head, sample
     step = [("Memcpy HtoD (Pinned -> Device)", 0, 1), ("void at::native::indexSelectSmallIndex", 1, 2),
             ("triton_poi_fused_embedding_0", 3, 4), ("_rms_norm_kernel", 5, 6), ("_gemv_kernel", 6, 9),
