@@ -162,6 +162,19 @@ GEMM = dict(REGIONS)["gemm"]                                               # cuB
 SAMPLE = ("_scan_kernel", "_pick_kernel")                                  # ops.sample's two kernels
 
 
+def _picks(events: list, k: int) -> list[int]:
+    """Indices of a round's sample calls (one _pick_kernel each): k drafts, then the verify's targets."""
+    picks = [i for i, e in enumerate(events) if "_pick_kernel" in e[0]]
+    if len(picks) != k + 1:
+        raise ValueError(f"expected {k + 1} sample calls in a round of k={k}, found {len(picks)}")
+    return picks
+
+
+def _verify(events: list, picks: list[int], k: int) -> list:
+    """The verify's events: after the k-th sample call, up to and with the (k+1)-th."""
+    return events[picks[k - 1] + 1:picks[k] + 1]
+
+
 def split_round(events: list, k: int) -> dict:
     """One round's device events in time order, each (name, start_us, end_us) -> its parts. The sample op
     ends with one _pick_kernel per call: k in the draft (one per draft token), then one for the verify's
@@ -169,15 +182,13 @@ def split_round(events: list, k: int) -> dict:
     first GEMM: its fc) and the head's catch-up. Spans (end of a part's last kernel - end of the previous
     part's) include the launch gaps; verify_fixed_us is the kernel time of the verify's parts that do not
     scale with the layer count (its lm_head, the largest GEMM there, and its sample kernels)."""
-    picks = [i for i, e in enumerate(events) if "_pick_kernel" in e[0]]
-    if len(picks) != k + 1:
-        raise ValueError(f"expected {k + 1} sample calls in a round of k={k}, found {len(picks)}")
+    picks = _picks(events, k)
     t0 = events[0][1]
     d_end, v_end = events[picks[k - 1]][2], events[picks[k]][2]
     tail = events[picks[k] + 1:]
     first_gemm = next((i for i, e in enumerate(tail) if any(p in e[0].lower() for p in GEMM)), len(tail))
     c_end = tail[first_gemm - 1][2] if first_gemm else v_end
-    verify = events[picks[k - 1] + 1:picks[k] + 1]
+    verify = _verify(events, picks, k)
     lm = max((e[2] - e[1] for e in verify if any(p in e[0].lower() for p in GEMM)), default=0.0)
     samp = sum(e[2] - e[1] for e in verify if any(p in e[0] for p in SAMPLE))
     dur = lambda es: sum(e[2] - e[1] for e in es)    # noqa: E731
@@ -218,9 +229,8 @@ def decode_layers_us(events: list) -> float:
 def verify_kernels(events: list, k: int) -> dict:
     """One round's device events -> µs per kernel name over its verify (between the k-th and the (k+1)-th sample
     call, split_round's verify part): what a verify of K + 1 rows spends beyond a decode step."""
-    picks = [i for i, e in enumerate(events) if "_pick_kernel" in e[0]]
     out: dict = {}
-    for name, t0, t1 in events[picks[k - 1] + 1:picks[k] + 1]:
+    for name, t0, t1 in _verify(events, _picks(events, k), k):
         out[name[:120]] = out.get(name[:120], 0.0) + t1 - t0
     return out
 

@@ -241,7 +241,7 @@ def main(argv=None) -> int:
             row["best_bw"] = round(nbytes / (per[best] * 1e-6) / bw, 3)
             row["current_tile"] = list(cur)
             row["current_us"] = round(per.get(cur, time_calls(lambda a, w: run(a, w), ws, x, args.reps)), 2)
-            if M > 128:                                         # compute-bound: TFLOP/s of the best tile and cuBLAS
+            if args.fp8 and M > lin8.BATCH_MAX_M:               # compute-bound: TFLOP/s of the best tile and cuBLAS
                 row["best_tflops"] = round(2 * M * N * K / (per[best] * 1e-6) / 1e12, 1)
                 row["cublas_bf16_tflops"] = round(2 * M * N * K / (row["cublas_bf16_us"] * 1e-6) / 1e12, 1)
             res["rows"].append(row)

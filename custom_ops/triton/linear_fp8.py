@@ -60,8 +60,9 @@ def _fp8_kernel(x, w, s, t, y, M, N, NT, s_x_m, s_w_n, s_s_n, s_t_n, s_y_m, res,
         nm = tl.cdiv(M, BM)
         per = GM * (tl.num_programs(0) // nm)
         first = (q // per) * GM
-        pm = first + (q % per) % tl.minimum(nm - first, GM)
-        pid = (q % per) // tl.minimum(nm - first, GM)
+        gm = tl.minimum(nm - first, GM)              # the last group may hold fewer M tiles
+        pm = first + (q % per) % gm
+        pid = (q % per) // gm
     else:
         pm = 0
         pid = q
