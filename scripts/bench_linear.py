@@ -46,6 +46,12 @@ FP8_GEMV_TILES += [(1, bn, bk, w, 1) for bn, bk, w in itertools.product((1, 2, 4
                    if bn * bk <= 16384]
 FP8_DOT_TILES = [(16, bn, bk, w, s) for bn, bk, w, s in itertools.product((16, 32, 64, 128), (64, 128), (4, 8),
                                                                          (2, 3, 4, 5)) if bn * bk <= 16384]
+# 2..8 rows: the FMA path over all rows at once (BM < 16: the weight tile upcast once, BM rows of products; at
+# most 64 accumulators a thread), beside the dot path's 16-row tiles that the class took before
+FP8_ROWS_TILES = [(bm, bn, bk, w, 1) for bm, bn, bk, w in itertools.product((2, 4, 8), (1, 2, 4, 8, 16, 32),
+                                                                           (256, 512, 1024, 2048, 4096), (4, 8))
+                  if bm * bn * bk <= 64 * 32 * w]
+FP8_ROWS_DOT_TILES = [(16, 32, 128, 4, 4), (16, 32, 128, 4, 5), (16, 16, 128, 4, 5), (16, 64, 128, 4, 4)]
 FP8_MANY_TILES = [(bm, bn, bk, w, s) for bm, bn, bk, w, s in itertools.product((16, 32, 64), (32, 64, 128), (64, 128),
                                                                                (4, 8), (4,)) if bn * bk <= 8192]
 # prefill rows (M > BATCH_MAX_M, compute-bound): larger tiles, each in the launch order of 1 and of 8 M tiles a group
@@ -224,7 +230,9 @@ def main(argv=None) -> int:
                 ws = [(w * 64).to(torch.float8_e4m3fn) for w in ws]
                 run = lambda a, w, cfg=None: lin8.matmul(a, w, scale, cfg and cfg[:5],           # noqa: E731
                                                          group_m=cfg[5] if cfg and len(cfg) > 5 else None)
-                tiles = (FP8_GEMV_TILES if M == 1 else FP8_DOT_TILES if M <= lin8.GEMV_MAX_M else FP8_MANY_TILES
+                tiles = (FP8_GEMV_TILES if M == 1 else
+                         [t for t in FP8_ROWS_TILES if t[0] >= M] + FP8_ROWS_DOT_TILES if M <= 8 else
+                         FP8_DOT_TILES if M <= lin8.GEMV_MAX_M else FP8_MANY_TILES
                          if M <= lin8.BATCH_MAX_M else FP8_PREFILL_TILES)
                 cur = lin8.tile(M, K) + ((lin8.GROUP_M["many"],) if M > lin8.BATCH_MAX_M else ())
             else:

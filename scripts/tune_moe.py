@@ -17,6 +17,8 @@ token 0's), next to independent random routing (its mean distinct count recorded
 B tokens read ~k*B experts; trained ones share experts between consecutive tokens. With --fp8 the same rows for
 fused_moe_fp8 (the experts and shared expert quantized to block FP8 by checkpoint/quant.py).
 
+--pair-table: the prefill MoE's pair-table kernel per token tile and warps at --batches tokens (pair_table()).
+
 --grouped [plain|swap|all]: the grouped-GEMM kernels instead (custom_ops/triton/fused_moe_prefill.py, taken when
 T*top_k > E: prefill chunks, decode batches past E / k), --batches are token counts T:
 
@@ -197,6 +199,27 @@ def grouped_main(args, weights, g, H: int, E: int, I: int, Is: int, k: int) -> l
     return out
 
 
+def pair_table(batches, E: int, k: int, g) -> list[dict]:
+    """--pair-table: _pair_table_kernel (fused_moe_prefill.routed_table) per (token tile BT, warps) at T tokens,
+    the tables checked equal to the current tile's. Each of its E programs scans all T * k ids twice, BT tokens a
+    step, so its time grows with T; a larger BT takes fewer, wider steps."""
+    from onegraph.custom_ops.triton import fused_moe_prefill as fp
+    rows = []
+    for T in batches:
+        idx = torch.rand(T, E, device="cuda", generator=g).topk(k).indices          # k distinct experts a token
+        w = torch.rand(T, k, device="cuda", generator=g)
+        ref = fp.routed_table(idx, w, E)
+        row = {"T": T, "current": [fp.PAIR_BT, fp.PAIR_WARPS], "us": {}}
+        for bt, warps in itertools.product((64, 128, 256, 512, 1024), (4, 8, 16)):
+            got = fp.routed_table(idx, w, E, bt=bt, warps=warps)
+            same = torch.equal(got[0], ref[0]) and all(torch.equal(a, b) for a, b in zip(got[1][:4], ref[1][:4]))
+            us = time_copies(lambda: fp.routed_table(idx, w, E, bt=bt, warps=warps), [()] * 8)
+            row["us"][f"{bt},{warps}"] = round(us, 2) if same else f"table differs ({us:.2f} us)"
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 8])
@@ -207,10 +230,18 @@ def main(argv=None) -> int:
     ap.add_argument("--fp8", action="store_true", help="--distinct-experts: the block-FP8 op (docstring)")
     ap.add_argument("--grouped", nargs="?", const="all", choices=("plain", "swap", "all"),
                     help="sweep the grouped-GEMM kernels at --batches tokens (T*top_k > E; docstring)")
+    ap.add_argument("--pair-table", action="store_true", help="sweep the prefill pair-table kernel at --batches tokens")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     from onegraph.scripts.bench_ops import MOE, rand
     H, E, I, Is, k = (MOE[x] for x in ("H", "E", "I", "Is", "top_k"))
+    if args.pair_table:
+        res = {"command": "python -m onegraph.scripts.tune_moe " + " ".join(sys.argv[1:] if argv is None else argv),
+               "device": torch.cuda.get_device_name(),
+               "rows": pair_table(args.batches, E, k, torch.Generator(device="cuda").manual_seed(0))}
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+        return 0
     if args.grouped and any(T * k <= E for T in args.batches):
         ap.error(f"--grouped times the grouped kernels: every T in --batches needs T * {k} > {E}")
     from onegraph.custom_ops.triton import fused_moe as mod

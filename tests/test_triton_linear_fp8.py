@@ -289,3 +289,25 @@ def test_35b_gdn_in_proj_with_its_tail(M):
 
 for _m in cuda_only:
     test_35b_gdn_in_proj_with_its_tail = _m(test_35b_gdn_in_proj_with_its_tail)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", [2, 3, 4])
+def test_rows_path_reads_the_weight_once_for_every_row(M, dtype):
+    """2..ROWS_MAX_M rows (a verify's K + 1, the small decode buckets) take the FMA path over all rows at once
+    (BM = 4 < 16: no tl.dot): the float64 reference's values within the op's bound, partial blocks on both edges
+    (N = 200, K = 300, so BK = 256 loops over a partial K tile), with and without a float tail; and each row the
+    same bits whatever rows share its launch."""
+    cfg = (4, 16, 256, 8, 1)
+    w, scale = _fp8_weight(200, 300, seed=70 + M)
+    x = _x(M, 300, dtype, seed=70 + M)
+    tail = _x(8, 300, dtype, seed=80 + M) * 0.05
+    y = lin8.matmul(x, w, scale, cfg, tail=tail)
+    _check_tail(y, x, w, scale, tail)
+    assert torch.equal(y[:, :200], lin8.matmul(x, w, scale, cfg))
+    # a row's sum does not depend on the rows beside it in the class: the same rows among 4 give the same bits
+    four = torch.cat([x, _x(4, 300, dtype, seed=90)])[:4]
+    assert torch.equal(lin8.matmul(four, w, scale, cfg, tail=tail)[:M], y)
+    if 1 < M <= lin8.ROWS_MAX_M:                      # the class's own tile: the FMA path
+        assert lin8.tile(M, 300)[0] < lin8.DOT_MIN_BM

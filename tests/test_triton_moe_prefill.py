@@ -119,11 +119,13 @@ def aten_pair_table(idx, w, E, BM):
 @pytest.mark.parametrize("T,E,k,hot,bm_min,BM", [(20, 6, 2, 2, 16, 16), (37, 16, 4, None, 16, 16),
                                                 (3, 8, 3, None, 16, 16), (130, 64, 8, 5, 16, 32),
                                                 (90, 64, 4, 5, 8, 8)])
-def test_pair_table_kernel_is_the_aten_table(T, E, k, hot, bm_min, BM):
+@pytest.mark.parametrize("bt", [None, 16], ids=["tile", "bt16"])
+def test_pair_table_kernel_is_the_aten_table(T, E, k, hot, bm_min, BM, bt):
     """routed_table (one Triton kernel) gives exactly the aten table: weights per pair, rows sorted by expert
     then token, blocks (idle experts, an expert spanning several blocks, the unused tail). Then the table's
     own properties: each used block inside one expert's run, every row covered once, unused blocks empty.
-    bm_min 8 (a rows class's BM_MIN, for the swap tiles): 8-row blocks, the hot expert's 90 rows in 12."""
+    bm_min 8 (a rows class's BM_MIN, for the swap tiles): 8-row blocks, the hot expert's 90 rows in 12.
+    bt 16: 16 tokens a step, so each program's two scans take several steps (the count carried across them)."""
     g = torch.Generator().manual_seed(T)
     logits = torch.randn(T, E, generator=g)
     if hot is not None:
@@ -131,7 +133,7 @@ def test_pair_table_kernel_is_the_aten_table(T, E, k, hot, bm_min, BM):
     logits[:, 1] -= 9.0                                     # an idle expert
     w, idx = route(logits.to(BF16), k)
     idx, w = idx.to(DEVICE), w.to(DEVICE)
-    w_pair, (src, blk_e, blk_row, blk_end, got_bm) = prefill_mod.routed_table(idx, w, E, bm_min)
+    w_pair, (src, blk_e, blk_row, blk_end, got_bm) = prefill_mod.routed_table(idx, w, E, bm_min, bt=bt)
     assert got_bm == BM
     want_w, want, ids = aten_pair_table(idx.cpu(), w.cpu(), E, BM)
     assert torch.equal(w_pair.cpu(), want_w)

@@ -279,7 +279,11 @@ def _pair_table_kernel(idx, w, w_pair, src, blk_e, blk_row, blk_end, T: tl.const
         run += tl.sum(has, axis=0)
 
 
-def routed_table(idx: torch.Tensor, w: torch.Tensor, E: int, bm_min: int = 16):
+PAIR_BT, PAIR_WARPS = 64, 4     # _pair_table_kernel's token tile and warps
+
+
+def routed_table(idx: torch.Tensor, w: torch.Tensor, E: int, bm_min: int = 16, bt: int | None = None,
+                 warps: int | None = None):
     """The routed pairs' grouping, one launch (_pair_table_kernel, grid (E,)). idx, w [T, k] (route: a token's
     k distinct experts and their weights) -> (w_pair [P], table): pair p = t*k + j is token t's j-th smallest
     expert (the order in which the reference adds the experts up), w_pair[p] its weight; table = (src [P]:
@@ -297,8 +301,8 @@ def routed_table(idx: torch.Tensor, w: torch.Tensor, E: int, bm_min: int = 16):
     src = torch.empty(P, dtype=torch.int64, device=w.device)
     blk_e, blk_row, blk_end = (torch.empty(NB, dtype=torch.int64, device=w.device) for _ in range(3))
     launch(_pair_table_kernel, (E,), idx, w, w_pair, src, blk_e, blk_row, blk_end, T=T, NB=NB,
-           E=E, BE=next_pow2(E), K=k, BKK=next_pow2(k), BT=max(16, min(64, next_pow2(T))), BM=BM, BB=64,
-           num_warps=4)
+           E=E, BE=next_pow2(E), K=k, BKK=next_pow2(k), BT=bt or max(16, min(PAIR_BT, next_pow2(T))), BM=BM, BB=64,
+           num_warps=warps or PAIR_WARPS)
     return w_pair, (src, blk_e, blk_row, blk_end, BM)
 
 

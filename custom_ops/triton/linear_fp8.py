@@ -52,7 +52,7 @@ def _fp8_kernel(x, w, s, t, y, M, N, NT, s_x_m, s_w_n, s_s_n, s_t_n, s_y_m, res,
     REGS (add_rms_norm_linear_fp8 at M == 1, BK = next_pow2(K)): the rows multiplied are add_rms_norm's normed
     row, made in registers as custom_ops/triton/linear.py's REGS path makes it (program 0 writes normed and h)."""
     q = tl.program_id(0)
-    if DOT:
+    if BM > 1:
         # a 1-D grid of (N tiles + tail tiles) x M tiles; pid its weight (N) tile, pm its M tile. Launch order: GM
         # M tiles of one weight tile side by side, then the next weight tile (GM = 1: an M tile's every weight tile,
         # then the next M tile). With GM >= the M tiles, the programs sharing a weight tile run together and the
@@ -123,6 +123,21 @@ def _rows(x, w, s, y, r0, N, pid, pm, M, s_x_m, s_w_n, s_s_n, s_y_m, res, nw, no
         wt = tl.load(w + rn64[:, None] * s_w_n + pk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
         acc = wt.to(tl.float32) * _scaled(row.to(tl.float32), s, srow0, pk, mk, SB, SCALED)[None, :]
         tl.store(y + rn, to_dt(tl.sum(acc, axis=1), DT), mask=mn)
+    elif not DOT and BM > 1:
+        # FMA over BM rows of x (M <= BM at decode: a verify's K + 1 rows, the small buckets): the weight tile is
+        # loaded and upcast once for all of them; per row the M == 1 arithmetic (x's tile times its block scales,
+        # fp32 products into a [BN, BK] accumulator, one reduction at the end), as a [BM, BN, BK] accumulator
+        rm = pm * BM + tl.arange(0, BM)
+        mm = rm < M
+        acc = tl.zeros([BM, BN, BK], tl.float32)
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            mk = rk < K
+            xt = tl.load(x + rm[:, None] * s_x_m + rk[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
+            wt = tl.load(w + rn64[:, None] * s_w_n + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+            xs = _scaled(xt.to(tl.float32), s, srow0, rk[None, :], mk[None, :], SB, SCALED)             # [BM, BK]
+            acc += wt.to(tl.float32)[None, :, :] * xs[:, None, :]
+        tl.store(y + rm[:, None] * s_y_m + rn[None, :], to_dt(tl.sum(acc, axis=2), DT), mask=mm[:, None] & mn[None, :])
     elif DOT:
         rm = pm * BM + tl.arange(0, BM)
         mm = rm < M
@@ -176,26 +191,30 @@ def _scaled(xv, s, srow0, rk, mk, SB: tl.constexpr, SCALED: tl.constexpr):
 # 35.4 (the prefill tile's 64-row programs leave out_proj's 2048 rows 32 programs). Still below cuBLAS on the bf16
 # weights (15.5 / 10.1 us): the e4m3 tiles are upcast for bf16 tensor cores.
 TILES = {("one", 2048): (1, 32, 256, 8, 2), ("one", 4096): (1, 2, 4096, 4, 1),
-         "one": (1, 32, 256, 8, 2), "few": (16, 32, 128, 4, 4),
+         "one": (1, 32, 256, 8, 2), ("rows", 2048): (4, 16, 256, 8, 1), ("rows", 4096): (4, 2, 1024, 4, 1),
+         "rows": (4, 16, 256, 8, 1), "few": (16, 32, 128, 4, 4),
          ("batch", 2048): (64, 32, 64, 4, 4), ("batch", 4096): (16, 32, 128, 4, 4),
          "batch": (64, 32, 64, 4, 4), "many": (64, 64, 128, 4, 3)}
 BATCH_MAX_M = 128
+ROWS_MAX_M = 1         # "rows" (2..ROWS_MAX_M): the FMA path over all M rows at once; 1 = off until measured
+DOT_MIN_BM = 16        # a tile of BM >= 16 rows runs tl.dot; fewer (1 included) the FMA path
 
 
 # The launch order's group of M tiles per class (_fp8_kernel GM): 1 is an M tile's every weight tile, then the
 # next M tile's, so above one M tile each program re-reads its weight tile, from DRAM unless L2 still holds it.
 # `bench_linear --fp8 --rows 512,2048` sweeps GM in {1, 8} with the prefill tiles; not yet measured, so 1.
-GROUP_M = {"one": 1, "few": 1, "batch": 1, "many": 1}
+GROUP_M = {"one": 1, "rows": 1, "few": 1, "batch": 1, "many": 1}
 
 
 def _cls(M: int) -> str:
-    return "one" if bool(M == 1) else "few" if M <= GEMV_MAX_M else "batch" if M <= BATCH_MAX_M else "many"
+    return ("one" if bool(M == 1) else "rows" if M <= ROWS_MAX_M else "few" if M <= GEMV_MAX_M
+            else "batch" if M <= BATCH_MAX_M else "many")
 
 
 def tile(M: int, K: int) -> tuple[int, int, int, int, int]:
     cls = _cls(M)
     bm, bn, bk, warps, stages = TILES.get((cls, K), TILES[cls])
-    floor = 1 if cls == "one" else 16                # tl.dot needs K-tiles of 16 at least
+    floor = 16 if bm >= DOT_MIN_BM else 1            # tl.dot needs K-tiles of 16 at least
     return bm, bn, max(floor, min(bk, triton.next_power_of_2(K))), warps, stages
 
 
@@ -240,12 +259,12 @@ def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
                GM=1, num_warps=warps, num_stages=stages)
         return y, normed, h
     bm, bn, bk, warps, stages = cfg or tile(M, K)
-    dot = bm > 1                                     # benchmarks may run the dot tiles at M = 1
+    dot = bm >= DOT_MIN_BM                           # benchmarks may run any tile at any M
     if dot and BLOCK % bk:
         raise ValueError(f"linear_fp8: the dot path needs a K tile dividing {BLOCK}, got {bk}")
     if not dot and BLOCK % bn:
-        raise ValueError(f"linear_fp8: the GEMV needs a row tile dividing {BLOCK}, got {bn}")
-    launch(_fp8_kernel, ((triton.cdiv(N, bn) + triton.cdiv(NT, bn)) * (triton.cdiv(M, bm) if dot else 1),),
+        raise ValueError(f"linear_fp8: the FMA path needs a row tile dividing {BLOCK}, got {bn}")
+    launch(_fp8_kernel, ((triton.cdiv(N, bn) + triton.cdiv(NT, bn)) * (triton.cdiv(M, bm) if bm > 1 else 1),),
            x, w, scale, t, y, M, N, NT, x.stride(0), w.stride(0), scale.stride(0), t.stride(0), y.stride(0),
            x, x, y, y, 0.0, K=K, SB=BLOCK, BM=bm, BN=bn, BK=bk, DOT=dot, DOT_F32=INTERPRETED, REGS=False, TAIL=NT > 0,
            GM=group_m or GROUP_M[_cls(M)], num_warps=warps, num_stages=stages)
