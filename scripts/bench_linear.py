@@ -159,6 +159,39 @@ def bench_norm(args, dev, bw) -> dict:
     return {"rows": rows, "best_norm_row_tile": {"tile": list(best), "us_per_step": round(totals[best], 2)}}
 
 
+def bench_norm_rows(args, dev, bw) -> dict:
+    """--norm --rows 2,4,...: add_rms_norm_linear above one row (its prologue makes the normed rows, [PM, KP] tiles of
+    linear.PROLOGUE_ELEMS, then the dot loop) per PROLOGUE_ELEMS, against the pair (the add_rms_norm kernel, then the
+    GEMV): the router ([E; shared gate], 257 rows) that reads the post-attention norm in every layer."""
+    from onegraph.custom_ops.triton import linear as lin
+    from onegraph.custom_ops.triton.norms import add_rms_norm_triton
+    rows, saved = [], lin.PROLOGUE_ELEMS
+    for M in [int(v) for v in args.rows.split(",")]:
+        for name, N, K, uses in NORM_SHAPES:
+            if args.shapes and name not in args.shapes:
+                continue
+            copies = max(2, min(20, (800 << 20) // (2 * N * K)))
+            ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * K ** -0.5 for _ in range(copies)]
+            x, res = (torch.randn(M, K, device=dev, dtype=torch.bfloat16) for _ in range(2))
+            nw = torch.randn(K, device=dev, dtype=torch.bfloat16) * 0.1
+            row = {"M": M, "name": name, "N": N, "K": K, "MB": round(2 * N * K / 1e6, 1), "current": saved}
+            pair = lambda a, w: lin.gemv(add_rms_norm_triton(a, res, nw, 1e-6)[0], w)     # noqa: E731
+            row["pair_us"] = round(time_calls(pair, ws, x, args.reps), 2)
+            row["prologue_elems_us"] = {}
+            try:
+                for elems in (128, 512, 2048, 4096, 8192):
+                    lin.PROLOGUE_ELEMS = elems
+                    row["prologue_elems_us"][elems] = round(time_calls(
+                        lambda a, w: lin.gemv(a, w, norm=(res, nw, 1e-6)), ws, x, args.reps), 2)
+            finally:
+                lin.PROLOGUE_ELEMS = saved
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del ws
+            torch.cuda.empty_cache()
+    return {"rows": rows}
+
+
 def bench_fp8_norm(args, dev, bw) -> dict:
     """--fp8 --norm: add_rms_norm_linear_fp8 at M = 1 per tile against the pair it replaces (the add_rms_norm
     kernel, then the FP8 GEMV at its tile), on the FP8 projections that read a layer's input norm."""
@@ -209,7 +242,8 @@ def main(argv=None) -> int:
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_GBps": round(bw / 1e9, 1),
            "rows": []}
     if args.norm:
-        res.update(bench_fp8_norm(args, dev, bw) if args.fp8 else bench_norm(args, dev, bw))
+        res.update(bench_fp8_norm(args, dev, bw) if args.fp8 else bench_norm(args, dev, bw) if args.rows == "1"
+                   else bench_norm_rows(args, dev, bw))
         with open(args.out, "w") as f:
             json.dump(res, f, indent=2)
         return 0

@@ -135,7 +135,7 @@ def _check_norm_linear(M, N, K, dtype, seed):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("M", [1, 2, 3, 16])
 def test_add_rms_norm_linear_matches_reference(M, dtype):
     _check_norm_linear(M, 37, 300, dtype, seed=M)     # N not a multiple of the tile, K not of BK
 

@@ -25,6 +25,7 @@ from ..linear import _validate
 from ._common import INTERPRETED, launch, mma, rnd, to_dt
 
 GEMV_MAX_M = 16
+PROLOGUE_ELEMS = 4096  # add_rms_norm_linear's prologue tile above one row: PM x KP elements (32 fp32 a thread, 4 warps)
 PAD_MIN_M = 256        # project(): the GEMM of unaligned rows pays its weight padding from this many rows
 
 
@@ -64,7 +65,8 @@ def _normed_row(x, res, nw, normed, hout, eps, pid, K: tl.constexpr, KP: tl.cons
 @triton.jit
 def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps, K: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
-                 DOT_F32: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, REGS: tl.constexpr):
+                 DOT_F32: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, REGS: tl.constexpr,
+                 PM: tl.constexpr):
     """y[:M, n-tile] = x[:M] @ w[n-tile].T; x and w contiguous along K.
     NORM (add_rms_norm_linear): the rows multiplied are normed = rms_norm(x + res) * (1 + nw) instead of x.
     Every program makes them in a prologue (x and res are 2-8 KB per row, read from L2) and writes them to
@@ -73,7 +75,10 @@ def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps,
     program reads its own values (visible to the whole block after the barrier). Making the rows per K tile
     inside the loop instead kept its L2 loads and the program-0 stores in the loop, which then did not
     pipeline: 8.3 us for the 35B router where add_rms_norm + GEMV took 3.7 (H200).
-    KP: the prologue's row tile (M == 1: the whole row, next_pow2(K)).
+    KP: the prologue's row tile (M == 1: the whole row, next_pow2(K)); PM (M > 1): its rows, next_pow2(M), so
+    that a [PM, KP] tile of PROLOGUE_ELEMS takes as few K steps as M allows. Each step of its two passes waits on
+    its L2 loads (no tl.dot: not pipelined): at 16 rows x 128 columns, the tile before, the 35B router's
+    prologue took 32 of them at M = 2.
     REGS (NORM at M == 1, BK == KP: one K tile): the normed row stays in registers and is multiplied as it is,
     with one [BN, KP] weight load and no loop; only program 0 writes normed and h. No program waits on a
     barrier or reads the row back, and the writes are one row per call, not one per program: the form that
@@ -95,17 +100,19 @@ def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps,
         tl.store(y + rn, to_dt(tl.sum(wt.to(tl.float32) * row.to(tl.float32)[None, :], axis=1), DT), mask=mn)
     else:
         if NORM:
-            if DOT:                                      # [BM, KP] tiles of at most 4096 elements, two passes
-                ss = tl.zeros([BM, KP], tl.float32)
+            if DOT:                                      # [PM, KP] tiles (PROLOGUE_ELEMS), two passes
+                pr = tl.arange(0, PM)
+                pmr = pr < M
+                ss = tl.zeros([PM, KP], tl.float32)
                 for p0 in range(0, K, KP):
                     pk = p0 + tl.arange(0, KP)
-                    p_off, p_m = _offsets(rm, mm, pk, pk < K, s_x_m, True)
+                    p_off, p_m = _offsets(pr, pmr, pk, pk < K, s_x_m, True)
                     p_h = _h_tile(x, res, p_off, p_m, DT)
                     ss += p_h * p_h
-                inv = tl.rsqrt(tl.sum(ss, axis=1) / K + tl.cast(eps, tl.float32))   # [BM]; AOTI passes floats as fp64
+                inv = tl.rsqrt(tl.sum(ss, axis=1) / K + tl.cast(eps, tl.float32))   # [PM]; AOTI passes floats as fp64
                 for p0 in range(0, K, KP):
                     pk = p0 + tl.arange(0, KP)
-                    p_off, p_m = _offsets(rm, mm, pk, pk < K, s_x_m, True)
+                    p_off, p_m = _offsets(pr, pmr, pk, pk < K, s_x_m, True)
                     p_h = _h_tile(x, res, p_off, p_m, DT)
                     wn = 1.0 + tl.load(nw + pk, mask=pk < K, other=0.0).to(tl.float32)
                     tl.store(normed + p_off, to_dt(p_h * inv[:, None] * wn[None, :], DT), mask=p_m)
@@ -196,10 +203,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, int] | None
     else:
         res, nw, eps = norm[0].contiguous(), norm[1], norm[2]
         normed, h = torch.empty_like(x), torch.empty_like(x)
-    KP = triton.next_power_of_2(K) if M == 1 else min(256, bk)
+    PM = triton.next_power_of_2(M)
+    KP = triton.next_power_of_2(K) if M == 1 else min(triton.next_power_of_2(K), max(16, PROLOGUE_ELEMS // PM))
     launch(_gemv_kernel, (triton.cdiv(N, bn),), x, w, y, M, N, x.stride(0), w.stride(0), y.stride(0),
            res, nw, normed, h, eps, K=K, BM=1 if M == 1 else 16, BN=bn, BK=bk, DOT=M > 1,
-           DOT_F32=INTERPRETED, NORM=norm is not None, KP=KP, REGS=regs and bk == KP,
+           DOT_F32=INTERPRETED, NORM=norm is not None, KP=KP, REGS=regs and bk == KP, PM=PM,
            num_warps=warps, num_stages=stages)
     return y if norm is None else (y, normed, h)
 
