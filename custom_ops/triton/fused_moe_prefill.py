@@ -279,7 +279,10 @@ def _pair_table_kernel(idx, w, w_pair, src, blk_e, blk_row, blk_end, T: tl.const
         run += tl.sum(has, axis=0)
 
 
-PAIR_BT, PAIR_WARPS = 64, 4     # _pair_table_kernel's token tile and warps
+# _pair_table_kernel's token tile and warps: each of its E programs scans all T * k ids twice, BT tokens a step, so
+# fewer, wider steps pay. H100, µs a call at T = 512 / 2048 / 8192 (`python -m onegraph.scripts.tune_moe --pair-table
+# --batches 512,2048,8192`, benchmarks/h100_pair_table.json): (64, 4) 14.4 / 52.0 / 213.1, (1024, 8) 9.1 / 24.6 / 107.2
+PAIR_BT, PAIR_WARPS = 1024, 8
 
 
 def routed_table(idx: torch.Tensor, w: torch.Tensor, E: int, bm_min: int = 16, bt: int | None = None,

@@ -191,29 +191,29 @@ def _scaled(xv, s, srow0, rk, mk, SB: tl.constexpr, SCALED: tl.constexpr):
 # 35.4 (the prefill tile's 64-row programs leave out_proj's 2048 rows 32 programs). Still below cuBLAS on the bf16
 # weights (15.5 / 10.1 us): the e4m3 tiles are upcast for bf16 tensor cores.
 TILES = {("one", 2048): (1, 32, 256, 8, 2), ("one", 4096): (1, 2, 4096, 4, 1),
-         "one": (1, 32, 256, 8, 2), ("rows", 2048): (4, 16, 256, 8, 1), ("rows", 4096): (4, 2, 1024, 4, 1),
-         "rows": (4, 16, 256, 8, 1), "few": (16, 32, 128, 4, 4),
+         "one": (1, 32, 256, 8, 2), ("rows2", 4096): (2, 8, 1024, 8, 1), ("rows4", 4096): (4, 8, 512, 8, 1),
+         "few": (16, 32, 128, 4, 4),
          ("batch", 2048): (64, 32, 64, 4, 4), ("batch", 4096): (16, 32, 128, 4, 4),
          "batch": (64, 32, 64, 4, 4), "many": (64, 64, 128, 4, 3)}
 BATCH_MAX_M = 128
-ROWS_MAX_M = 1         # "rows" (2..ROWS_MAX_M): the FMA path over all M rows at once; 1 = off until measured
+ROWS_MAX_M = 4         # "rows2" / "rows4" (M = 2 / 3..4): an FMA tile over all M rows where TILES holds one for K
 DOT_MIN_BM = 16        # a tile of BM >= 16 rows runs tl.dot; fewer (1 included) the FMA path
 
 
 # The launch order's group of M tiles per class (_fp8_kernel GM): 1 is an M tile's every weight tile, then the
 # next M tile's, so above one M tile each program re-reads its weight tile, from DRAM unless L2 still holds it.
 # `bench_linear --fp8 --rows 512,2048` sweeps GM in {1, 8} with the prefill tiles; not yet measured, so 1.
-GROUP_M = {"one": 1, "rows": 1, "few": 1, "batch": 1, "many": 1}
+GROUP_M = {"one": 1, "few": 1, "batch": 1, "many": 1}
 
 
 def _cls(M: int) -> str:
-    return ("one" if bool(M == 1) else "rows" if M <= ROWS_MAX_M else "few" if M <= GEMV_MAX_M
-            else "batch" if M <= BATCH_MAX_M else "many")
+    return ("one" if bool(M == 1) else "few" if M <= GEMV_MAX_M else "batch" if M <= BATCH_MAX_M else "many")
 
 
 def tile(M: int, K: int) -> tuple[int, int, int, int, int]:
     cls = _cls(M)
-    bm, bn, bk, warps, stages = TILES.get((cls, K), TILES[cls])
+    rows = f"rows{triton.next_power_of_2(M)}" if 1 < M <= ROWS_MAX_M else None
+    bm, bn, bk, warps, stages = TILES.get((rows, K)) or TILES.get((cls, K), TILES[cls])
     floor = 16 if bm >= DOT_MIN_BM else 1            # tl.dot needs K-tiles of 16 at least
     return bm, bn, max(floor, min(bk, triton.next_power_of_2(K))), warps, stages
 
