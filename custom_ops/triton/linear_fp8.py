@@ -8,7 +8,10 @@ for BM rows of x (the programs past cdiv(N, BN) read the float tail's rows, belo
   [BN, BK] accumulator, one reduction at the end. BN divides 128, so a program's rows lie in one block row
   and a K tile needs one scale per 128 columns (BK may span blocks), applied to the [BK] x tile once rather
   than to each of the [BN, BK] weights: x . (q * s) and (x * s) . q differ only by fp32 rounding.
-- M > 1: tl.dot of x [BM, BK] with the raw e4m3 tile upcast to x.dtype — exact: every e4m3 value is a bf16
+- 1 < M <= BM < 16 (tile(): M = 2..4 where measured faster): the GEMV's arithmetic over BM rows at once, the
+  weight tile upcast once for all of them into a [BM, BN, BK] accumulator; a row's sum does not depend on the
+  rows beside it.
+- BM >= 16: tl.dot of x [BM, BK] with the raw e4m3 tile upcast to x.dtype — exact: every e4m3 value is a bf16
   (and an fp16) value — accumulated in fp32 per BK-tile, then scaled by that tile's block scale
   (BK divides 128, so one scale per row of the tile) and added: the reference up to fp32 summation and
   rounding order. The same kernel covers prefill (M > GEMV_MAX_M, BM = 64): dequantizing first would
@@ -190,6 +193,11 @@ def _scaled(xv, s, srow0, rk, mk, SB: tl.constexpr, SCALED: tl.constexpr):
 # (benchmarks/h200_linear_fp8_m64.json): [qkv; z] 21.8 us against 24.5 at the prefill tile, out/o_proj 17.3 against
 # 35.4 (the prefill tile's 64-row programs leave out_proj's 2048 rows 32 programs). Still below cuBLAS on the bf16
 # weights (15.5 / 10.1 us): the e4m3 tiles are upcast for bf16 tensor cores.
+# "rows2" / "rows4" (M = 2, 3..4, where TILES holds a tile for K; else "few"): the FMA path over all M rows of one
+# program, `bench_linear --fp8 --rows 2,4,8` on the H100 (benchmarks/h100_linear_fp8_rows.json): out/o_proj (K = 4096)
+# 8.46 us at 2 rows and 11.55 at 4 against 14.55 / 14.42 for the best 16-row dot tile (whose 64 programs of 32 rows
+# loop over K one tile after another). At K = 2048 and at 8 rows every FMA tile lost to the dot tile (2 rows: 18.6
+# against 13.6 for [qkv; z]).
 TILES = {("one", 2048): (1, 32, 256, 8, 2), ("one", 4096): (1, 2, 4096, 4, 1),
          "one": (1, 32, 256, 8, 2), ("rows2", 4096): (2, 8, 1024, 8, 1), ("rows4", 4096): (4, 8, 512, 8, 1),
          "few": (16, 32, 128, 4, 4),
