@@ -5,7 +5,8 @@
 
 --norm: add_rms_norm_linear at M = 1, the layer-input and post-attention norms folded into their projection
 (custom_ops/triton/linear.py REGS: the normed row in registers, the whole row one K tile), per (BN, warps),
-against the pair it replaces (the add_rms_norm kernel, then the GEMV at its tile) and the row-once form.
+against the pair it replaces (the add_rms_norm kernel, then the GEMV at its tile) and the row-once form; with
+`--rows 2,4,8` (more than one row) the prologue's tile sizes instead (bench_norm_rows).
 
 --fp8: onegraph::linear_fp8's kernel (block-FP8 weights, custom_ops/triton/linear_fp8.py) on the FP8 model's
 projections (models/qwen3_5/fuse.py: the GDN in_proj's FP8 run [qkv; z]; the attention's [q; k; v]; out/o_proj).
