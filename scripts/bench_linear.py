@@ -243,7 +243,7 @@ def main(argv=None) -> int:
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_GBps": round(bw / 1e9, 1),
            "rows": []}
     if args.norm:
-        res.update(bench_fp8_norm(args, dev, bw) if args.fp8 else bench_norm(args, dev, bw) if args.rows == "1"
+        res.update(bench_fp8_norm(args, dev, bw) if args.fp8 else bench_norm(args, dev, bw) if args.rows.strip(",") == "1"
                    else bench_norm_rows(args, dev, bw))
         with open(args.out, "w") as f:
             json.dump(res, f, indent=2)

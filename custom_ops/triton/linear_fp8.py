@@ -215,13 +215,13 @@ GROUP_M = {"one": 1, "few": 1, "batch": 1, "many": 1}
 
 
 def _cls(M: int) -> str:
-    return ("one" if bool(M == 1) else "few" if M <= GEMV_MAX_M else "batch" if M <= BATCH_MAX_M else "many")
+    return "one" if bool(M == 1) else "few" if M <= GEMV_MAX_M else "batch" if M <= BATCH_MAX_M else "many"
 
 
 def tile(M: int, K: int) -> tuple[int, int, int, int, int]:
     cls = _cls(M)
-    rows = f"rows{triton.next_power_of_2(M)}" if 1 < M <= ROWS_MAX_M else None
-    bm, bn, bk, warps, stages = TILES.get((rows, K)) or TILES.get((cls, K), TILES[cls])
+    rows = (f"rows{triton.next_power_of_2(M)}", K) if 1 < M <= ROWS_MAX_M else None    # an FMA tile where measured
+    bm, bn, bk, warps, stages = TILES.get(rows) or TILES.get((cls, K), TILES[cls])
     floor = 16 if bm >= DOT_MIN_BM else 1            # tl.dot needs K-tiles of 16 at least
     return bm, bn, max(floor, min(bk, triton.next_power_of_2(K))), warps, stages
 
