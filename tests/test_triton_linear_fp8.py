@@ -296,7 +296,8 @@ for _m in cuda_only:
 @pytest.mark.parametrize("M", [2, 3, 4])
 def test_rows_path_reads_the_weight_once_for_every_row(M, dtype):
     """The FMA path over all rows at once (BM = 4 < 16: no tl.dot; tile() takes it at 2..ROWS_MAX_M rows where
-    TILES holds an FMA tile for K, out/o_proj's): the float64 reference's values within the op's bound, partial blocks on both edges
+    TILES holds an FMA tile for K, out/o_proj's): the float64 reference's values within the op's bound, partial
+    blocks on both edges
     (N = 200, K = 300, so BK = 256 loops over a partial K tile), with and without a float tail; and each row the
     same bits whatever rows share its launch."""
     cfg = (4, 16, 256, 8, 1)
