@@ -47,19 +47,27 @@ FP8_GEMV_TILES += [(1, bn, bk, w, 1) for bn, bk, w in itertools.product((1, 2, 4
                    if bn * bk <= 16384]
 FP8_DOT_TILES = [(16, bn, bk, w, s) for bn, bk, w, s in itertools.product((16, 32, 64, 128), (64, 128), (4, 8),
                                                                          (2, 3, 4, 5)) if bn * bk <= 16384]
+# the dot path's transposed product (linear_fp8 SWAP: the upcast weight tile the MMA's A operand, from registers; x's
+# rows its N): the weight rows a program are the MMA's M, 64 a warpgroup, so BN = 16 x warps
+FP8_SWAP_TILES = [(16, bn, bk, bn // 16, s, True) for bn, bk, s in itertools.product((64, 128), (64, 128), (3, 4))]
+FP8_DOT_TILES += FP8_SWAP_TILES
 # 2..8 rows: the FMA path over all rows at once (BM < 16: the weight tile upcast once, BM rows of products; at
 # most 64 accumulators a thread), beside the dot path's 16-row tiles that the class took before
 FP8_ROWS_TILES = [(bm, bn, bk, w, 1) for bm, bn, bk, w in itertools.product((2, 4, 8), (1, 2, 4, 8, 16, 32),
                                                                            (256, 512, 1024, 2048, 4096), (4, 8))
                   if bm * bn * bk <= 64 * 32 * w]
 FP8_ROWS_DOT_TILES = [(16, 32, 128, 4, 4), (16, 32, 128, 4, 5), (16, 16, 128, 4, 5), (16, 64, 128, 4, 4)]
+FP8_ROWS_DOT_TILES += FP8_SWAP_TILES
 FP8_MANY_TILES = [(bm, bn, bk, w, s) for bm, bn, bk, w, s in itertools.product((16, 32, 64), (32, 64, 128), (64, 128),
                                                                                (4, 8), (4,)) if bn * bk <= 8192]
-# prefill rows (M > BATCH_MAX_M, compute-bound): larger tiles, each in the launch order of 1 and of 8 M tiles a group
-# (linear_fp8.GROUP_M); reported in TFLOP/s beside cuBLAS on the bf16 weight
-FP8_PREFILL_TILES = [(bm, bn, bk, w, 3, gm) for bm, bn, bk, w, gm in itertools.product((64, 128), (64, 128), (64, 128),
-                                                                                     (4, 8), (1, 8))
-                     if bm * bn <= 4096 * w]
+FP8_MANY_TILES += [(bm, bn, 128, bn // 16, s, True) for bm, bn, s in itertools.product((16, 32, 64), (64, 128), (3, 4))]
+# prefill rows (M > BATCH_MAX_M, compute-bound): larger tiles, plain and swapped, each in the launch order of 1 and of
+# 8 M tiles a group (linear_fp8.GROUP_M): (BM, BN, BK, warps, stages, SWAP, GM); reported in TFLOP/s beside cuBLAS
+# on the bf16 weight
+FP8_PREFILL_TILES = [(bm, bn, bk, w, 3, False, gm) for bm, bn, bk, w, gm in
+                     itertools.product((64, 128), (64, 128), (64, 128), (4, 8), (1, 8)) if bm * bn <= 4096 * w]
+FP8_PREFILL_TILES += [(bm, bn, bk, bn // 16, s, True, gm) for bm, bn, bk, s, gm in
+                      itertools.product((64, 128), (64, 128), (64, 128), (3, 4), (1, 8))]
 # add_rms_norm_linear_fp8 at M = 1: the whole row one tile (BK = K), or the K-looped form (BK < K)
 FP8_NORM_TILES = [(1, bn, 2048, w, 1) for bn, w in itertools.product((1, 2, 4, 8), (4, 8))]
 FP8_NORM_TILES += [(1, bn, bk, w, s) for bn, bk, w, s in itertools.product((8, 16, 32, 64), (256, 512, 1024), (4, 8),
@@ -263,13 +271,14 @@ def main(argv=None) -> int:
             if args.fp8:                                           # e4m3 bytes + one fp32 scale per 128x128 block
                 scale = torch.rand(-(-N // 128), -(-K // 128), device=dev) * 2.0 ** -6
                 ws = [(w * 64).to(torch.float8_e4m3fn) for w in ws]
-                run = lambda a, w, cfg=None: lin8.matmul(a, w, scale, cfg and cfg[:5],           # noqa: E731
-                                                         group_m=cfg[5] if cfg and len(cfg) > 5 else None)
+                run = lambda a, w, cfg=None: lin8.matmul(a, w, scale, cfg and cfg[:6],           # noqa: E731
+                                                         group_m=cfg[6] if cfg and len(cfg) > 6 else None)
                 tiles = (FP8_GEMV_TILES if M == 1 else
                          [t for t in FP8_ROWS_TILES if t[0] >= M] + FP8_ROWS_DOT_TILES if M <= 8 else
                          FP8_DOT_TILES if M <= lin8.GEMV_MAX_M else FP8_MANY_TILES
                          if M <= lin8.BATCH_MAX_M else FP8_PREFILL_TILES)
-                cur = lin8.tile(M, K) + ((lin8.GROUP_M["many"],) if M > lin8.BATCH_MAX_M else ())
+                cur = lin8.tile(M, K)            # (..., SWAP): as the swept tiles name it
+                cur = cur + (lin8.GROUP_M["many"],) if M > lin8.BATCH_MAX_M else cur if cur[5] else cur[:5]
             else:
                 run = lambda a, w, cfg=None: lin.gemv(a, w, cfg)   # noqa: E731
                 tiles, cur = (GEMV_TILES if M == 1 else DOT_TILES), lin.tile(M, K)
@@ -287,6 +296,11 @@ def main(argv=None) -> int:
             if args.fp8 and M > lin8.BATCH_MAX_M:               # compute-bound: TFLOP/s of the best tile and cuBLAS
                 row["best_tflops"] = round(2 * M * N * K / (per[best] * 1e-6) / 1e12, 1)
                 row["cublas_bf16_tflops"] = round(2 * M * N * K / (row["cublas_bf16_us"] * 1e-6) / 1e12, 1)
+                # for scale: cuBLAS on FP8 tensor cores (e4m3 x and w, one scale each: W8A8, not this op's numerics)
+                xq, one = x.to(torch.float8_e4m3fn), torch.ones((), device=dev)
+                us = time_calls(lambda a, w: torch._scaled_mm(xq, w.t(), one, one, out_dtype=torch.bfloat16),
+                                ws, x, args.reps)
+                row["cublas_fp8_w8a8_us"], row["cublas_fp8_w8a8_tflops"] = round(us, 2), round(2 * M * N * K / us / 1e6, 1)
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
             del ws

@@ -311,3 +311,26 @@ def test_rows_path_reads_the_weight_once_for_every_row(M, dtype):
     four = torch.cat([x, _x(4, 300, dtype, seed=90)])[:4]
     assert torch.equal(lin8.matmul(four, w, scale, cfg, tail=tail)[:M], y)
     assert lin8.tile(M, 4096)[0] == (2 if M == 2 else 4)         # out/o_proj's K: the FMA tile of M's class
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,cfg", [(3, (16, 32, 64, 4, 2, True)), (70, (64, 64, 128, 4, 2, True))],
+                         ids=["few", "prefill"])
+def test_swapped_dot_matches_the_plain_dot(M, cfg, dtype):
+    """The dot path's transposed product (SWAP: the upcast weight tile as the MMA's A operand, x's rows on its N):
+    the float64 reference's values within the op's bound, with a float tail, partial blocks and M tiles on every
+    edge (N = 200, K = 300, M = 70 over 64-row tiles); and the same values as the plain dot at the same tile — the
+    same products and per-tile fp32 sums (bit-equal in the interpreter; the GPU's MMA may order a k16 step's
+    products differently, so there one rounding of the output apart)."""
+    w, scale = _fp8_weight(200, 300, seed=100 + M)
+    x = _x(M, 300, dtype, seed=100 + M)
+    tail = _x(8, 300, dtype, seed=110 + M) * 0.05
+    y = lin8.matmul(x, w, scale, cfg, tail=tail)
+    _check_tail(y, x, w, scale, tail)
+    plain = lin8.matmul(x, w, scale, cfg[:5], tail=tail)
+    if CUDA:
+        assert ((y.float() - plain.float()).abs() <= plain.float().abs() * TOL[dtype] + 1e-30).all()
+    else:
+        assert torch.equal(y, plain)
+    assert torch.equal(y[:, :200], lin8.matmul(x, w, scale, cfg))

@@ -47,7 +47,8 @@ from .linear import GEMV_MAX_M, _h_tile, _normed_row
 @triton.jit
 def _fp8_kernel(x, w, s, t, y, M, N, NT, s_x_m, s_w_n, s_s_n, s_t_n, s_y_m, res, nw, normed, hout, eps,
                 K: tl.constexpr, SB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                DOT: tl.constexpr, DOT_F32: tl.constexpr, REGS: tl.constexpr, TAIL: tl.constexpr, GM: tl.constexpr):
+                DOT: tl.constexpr, DOT_F32: tl.constexpr, REGS: tl.constexpr, TAIL: tl.constexpr, GM: tl.constexpr,
+                SWAP: tl.constexpr):
     """y[m-tile, n-tile] = x[m-tile] @ (fp32(w) * s)[n-tile].T; x, w, t contiguous along K; SB = 128.
     TAIL (a float tail t [NT, K]): the programs after the cdiv(N, BN) FP8 ones take t's rows BN at a time, at the
     same tile (_rows), unscaled, and write columns N.. of y (row stride N + NT). Without it the launch is the
@@ -73,19 +74,19 @@ def _fp8_kernel(x, w, s, t, y, M, N, NT, s_x_m, s_w_n, s_s_n, s_t_n, s_y_m, res,
         nf = (N + BN - 1) // BN
         if pid >= nf:
             _rows(x, t, s, y + N, (pid - nf) * BN, NT, pid, pm, M, s_x_m, s_t_n, s_s_n, s_y_m, res, nw, normed,
-                  hout, eps, K, SB, BM, BN, BK, DOT, DOT_F32, REGS, False)
+                  hout, eps, K, SB, BM, BN, BK, DOT, DOT_F32, REGS, False, SWAP)
         else:
             _rows(x, w, s, y, pid * BN, N, pid, pm, M, s_x_m, s_w_n, s_s_n, s_y_m, res, nw, normed, hout,
-                  eps, K, SB, BM, BN, BK, DOT, DOT_F32, REGS, True)
+                  eps, K, SB, BM, BN, BK, DOT, DOT_F32, REGS, True, SWAP)
     else:
         _rows(x, w, s, y, pid * BN, N, pid, pm, M, s_x_m, s_w_n, s_s_n, s_y_m, res, nw, normed, hout,
-              eps, K, SB, BM, BN, BK, DOT, DOT_F32, REGS, True)
+              eps, K, SB, BM, BN, BK, DOT, DOT_F32, REGS, True, SWAP)
 
 
 @triton.jit
 def _rows(x, w, s, y, r0, N, pid, pm, M, s_x_m, s_w_n, s_s_n, s_y_m, res, nw, normed, hout, eps, K: tl.constexpr,
           SB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
-          DOT_F32: tl.constexpr, REGS: tl.constexpr, SCALED: tl.constexpr):
+          DOT_F32: tl.constexpr, REGS: tl.constexpr, SCALED: tl.constexpr, SWAP: tl.constexpr):
     """Rows [r0, r0 + BN) of w [N, K] (columns of y, whose first column y points at) for the program of weight
     tile `pid` and (DOT) M tile `pm`.
     SCALED: w is e4m3 with block scales s; else a float weight (the tail) multiplied as it is, the same loop."""
@@ -145,19 +146,31 @@ def _rows(x, w, s, y, r0, N, pid, pm, M, s_x_m, s_w_n, s_s_n, s_y_m, res, nw, no
         rm = pm * BM + tl.arange(0, BM)
         mm = rm < M
         srow = (rn // SB) * s_s_n                    # [BN] each row's block row in the scale table
-        acc = tl.zeros([BM, BN], tl.float32)
+        # SWAP: the transposed product acc^T [BN, BM] = w tile [BN, BK] @ x^T [BK, BM]; the upcast weight is the
+        # MMA's A operand, which sm_90's wgmma takes from registers (the plain form writes the upcast tile to shared
+        # memory first, as B), and x's rows sit on the MMA's N, which may be 8-16 where M must be 64. Same products,
+        # same fp32 accumulation per tile
+        acc = tl.zeros([BN, BM] if SWAP else [BM, BN], tl.float32)
         for k0 in range(0, K, BK):                   # BK divides SB: one block column per tile
             rk = k0 + tl.arange(0, BK)
             mk = rk < K
             xt = tl.load(x + rm[:, None] * s_x_m + rk[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
             wt = tl.load(w + rn64[:, None] * s_w_n + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+            wt = wt.to(xt.dtype)
             if SCALED:                               # each tile's product times its block scale, one per row
                 st = tl.load(s + srow + k0 // SB, mask=mn, other=0.0)                              # [BN]
-                part = mma(xt, tl.trans(wt.to(xt.dtype)), tl.zeros([BM, BN], tl.float32), DOT_F32)
-                acc += part * st[None, :]
-            else:                                    # the float tail: one fp32 accumulation over K
-                acc = mma(xt, tl.trans(wt.to(xt.dtype)), acc, DOT_F32)
-        tl.store(y + rm[:, None] * s_y_m + rn[None, :], to_dt(acc, DT), mask=mm[:, None] & mn[None, :])
+                if SWAP:
+                    acc += mma(wt, tl.trans(xt), tl.zeros([BN, BM], tl.float32), DOT_F32) * st[:, None]
+                else:
+                    acc += mma(xt, tl.trans(wt), tl.zeros([BM, BN], tl.float32), DOT_F32) * st[None, :]
+            elif SWAP:                               # the float tail: one fp32 accumulation over K
+                acc = mma(wt, tl.trans(xt), acc, DOT_F32)
+            else:
+                acc = mma(xt, tl.trans(wt), acc, DOT_F32)
+        if SWAP:
+            tl.store(y + rm[None, :] * s_y_m + rn[:, None], to_dt(acc, DT), mask=mm[None, :] & mn[:, None])
+        else:
+            tl.store(y + rm[:, None] * s_y_m + rn[None, :], to_dt(acc, DT), mask=mm[:, None] & mn[None, :])
     else:
         # BN divides SB (tile()): the program's rows share one row of the scale table, so the K tile's scales
         # are one [BK] vector (a 1-2 element L1 line), folded into x's tile: one convert and one FMA per weight
@@ -218,12 +231,13 @@ def _cls(M: int) -> str:
     return "one" if bool(M == 1) else "few" if M <= GEMV_MAX_M else "batch" if M <= BATCH_MAX_M else "many"
 
 
-def tile(M: int, K: int) -> tuple[int, int, int, int, int]:
+def tile(M: int, K: int) -> tuple[int, int, int, int, int, bool]:
+    """(BM, BN, BK, warps, stages, SWAP) for M rows of K columns."""
     cls = _cls(M)
     rows = (f"rows{triton.next_power_of_2(M)}", K) if 1 < M <= ROWS_MAX_M else None    # an FMA tile where measured
-    bm, bn, bk, warps, stages = TILES.get(rows) or TILES.get((cls, K), TILES[cls])
+    bm, bn, bk, warps, stages, *swap = TILES.get(rows) or TILES.get((cls, K), TILES[cls])
     floor = 16 if bm >= DOT_MIN_BM else 1            # tl.dot needs K-tiles of 16 at least
-    return bm, bn, max(floor, min(bk, triton.next_power_of_2(K))), warps, stages
+    return bm, bn, max(floor, min(bk, triton.next_power_of_2(K))), warps, stages, bool(swap and swap[0])
 
 
 # add_rms_norm_linear_fp8 at M = 1 (REGS): (BN, BK, warps, stages), BN dividing 128. BK < K: the K-looped form
@@ -239,12 +253,11 @@ def norm_tile(K: int) -> tuple[int, int, int, int, int]:
     return 1, bn, min(bk, triton.next_power_of_2(K)), warps, stages
 
 
-def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
-           cfg: tuple[int, int, int, int, int] | None = None,
+def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, cfg: tuple | None = None,
            norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, tail: torch.Tensor | None = None,
            group_m: int | None = None):
-    """x [M, K] @ dequant(w [N, K], scale).T -> [M, N] x.dtype; cfg and group_m (the launch order's group of M tiles,
-    _fp8_kernel) override the tile's (benchmarks only).
+    """x [M, K] @ dequant(w [N, K], scale).T -> [M, N] x.dtype; cfg ((BM, BN, BK, warps, stages[, SWAP]), as tile())
+    and group_m (the launch order's group of M tiles, _fp8_kernel) override the tile's (benchmarks only).
     tail [Nt, K] (x.dtype): its rows x @ tail.T as columns N.. of y [M, N + Nt], by cdiv(Nt, BN) more programs of
     the same launch at the same tile (the FP8 columns are the tail-free launch's bits).
     norm = (residual [1, K], norm weight [K], eps), M == 1 only: add_rms_norm_linear_fp8's normed row instead
@@ -260,13 +273,13 @@ def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
             raise ValueError(f"linear_fp8: the norm-row form takes one row, got {M}")
         res, nw, eps = norm[0].contiguous(), norm[1], norm[2]
         normed, h = torch.empty_like(x), torch.empty_like(x)
-        _, bn, bk, warps, stages = cfg or norm_tile(K)
+        _, bn, bk, warps, stages = (cfg or norm_tile(K))[:5]
         launch(_fp8_kernel, (triton.cdiv(N, bn) + triton.cdiv(NT, bn),), x, w, scale, t, y, M, N, NT, x.stride(0),
                w.stride(0), scale.stride(0), t.stride(0), y.stride(0), res, nw, normed, h, eps, K=K, SB=BLOCK, BM=1,
                BN=bn, BK=min(bk, triton.next_power_of_2(K)), DOT=False, DOT_F32=INTERPRETED, REGS=True, TAIL=NT > 0,
-               GM=1, num_warps=warps, num_stages=stages)
+               GM=1, SWAP=False, num_warps=warps, num_stages=stages)
         return y, normed, h
-    bm, bn, bk, warps, stages = cfg or tile(M, K)
+    bm, bn, bk, warps, stages, *swap = cfg or tile(M, K)
     dot = bm >= DOT_MIN_BM                           # benchmarks may run any tile at any M
     if dot and BLOCK % bk:
         raise ValueError(f"linear_fp8: the dot path needs a K tile dividing {BLOCK}, got {bk}")
@@ -275,7 +288,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     launch(_fp8_kernel, ((triton.cdiv(N, bn) + triton.cdiv(NT, bn)) * (triton.cdiv(M, bm) if bm > 1 else 1),),
            x, w, scale, t, y, M, N, NT, x.stride(0), w.stride(0), scale.stride(0), t.stride(0), y.stride(0),
            x, x, y, y, 0.0, K=K, SB=BLOCK, BM=bm, BN=bn, BK=bk, DOT=dot, DOT_F32=INTERPRETED, REGS=False, TAIL=NT > 0,
-           GM=group_m or GROUP_M[_cls(M)], num_warps=warps, num_stages=stages)
+           GM=group_m or GROUP_M[_cls(M)], SWAP=dot and bool(swap and swap[0]), num_warps=warps, num_stages=stages)
     return y
 
 
