@@ -15,6 +15,7 @@ from .fused_moe_fp8 import fused_moe_fp8  # noqa: F401
 from .gated_rms_norm import gated_rms_norm  # noqa: F401
 from .gdn_decode_step import gdn_decode_step  # noqa: F401
 from .gdn_decode_step_norm import gdn_decode_step_norm  # noqa: F401
+from .gdn_decode_steps import gdn_decode_steps  # noqa: F401
 from .gdn_prefill import gdn_prefill  # noqa: F401
 from .linear import linear  # noqa: F401
 from .linear_f32 import linear_f32  # noqa: F401

@@ -28,9 +28,9 @@ learns one step late; a host-side position would force a device sync per round.
 Why verify is a decode step over B*(K+1) rows (attention: GatedAttention.decode, the op decode runs) rather
 than a prefill chunk: prefill attends one slot at a time, and a decode step writes every row's KV before
 any row reads, with each row reading its slot's rows <= its own position, which is causal attention over
-the K+1 tokens of each slot. GDN layers run gdn_decode_step once per position over the B rows, keeping the
-state after each position (per-position snapshots: commit is a gather, no recompute; graphs/spec.py
-_gdn_verify says why).
+the K+1 tokens of each slot. GDN layers run gdn_decode_steps (the decode step per position over the B rows in
+one op, reading the state once), keeping the state after each position (per-position snapshots: commit is a
+gather, no recompute; graphs/spec.py _gdn_verify says why).
 
 KV bound: a row at a position >= Tmax (the KV cache's length, max_seq_len) writes its KV to the scratch slot,
 main model and head alike, so nothing is written past max_seq_len; such rows occur only in a request's
@@ -86,20 +86,12 @@ def prefill(model: Qwen35Model, tokens, slot, start_pos, n_valid, temperature, t
 def _gdn_verify_rows(attn, x, slots, B: int, T: int, conv, rec):
     """A GDN layer over T positions of B slots (x [B*T, H], row-major by slot), keeping the state after
     every position: -> (out [B*T, H], conv_after [T, B, C, W-1], rec_after [T, B, HV, K, V] fp32).
-    The slots' conv / rec are not touched (committed after acceptance)."""
+    One gdn_decode_steps op (T decode steps from the slots' rows, the state read once); the slots' conv / rec are
+    not touched (committed after acceptance)."""
     qkv, z, b, a = (t.view(B, T, -1) for t in attn._in(x))
-    conv_j, rec_j = conv.index_select(0, slots), rec.index_select(0, slots)      # [B, C, W-1], [B, HV, K, V]
-    rows = torch.arange(B, device=x.device)                                       # rows of conv_j / rec_j
-    cores, convs, recs = [], [], []
-    for j in range(T):
-        core, conv_j, rec_j = ops.gdn_decode_step(qkv[:, j], a[:, j], b[:, j], conv_j, rec_j, rows,
-                                                  attn.conv1d.weight[:, 0, :], attn.A_log, attn.dt_bias,
-                                                  attn.num_k_heads)
-        cores.append(core)                                                        # [B, HV, V]
-        convs.append(conv_j)
-        recs.append(rec_j)
-    core = torch.stack(cores, 1).reshape(B * T, *cores[0].shape[1:])              # row-major by slot
-    return attn._finish(core, z.reshape(B * T, -1)), torch.stack(convs), torch.stack(recs)
+    core, convs, recs = ops.gdn_decode_steps(qkv, a, b, conv, rec, slots, attn.conv1d.weight[:, 0, :], attn.A_log,
+                                             attn.dt_bias, attn.num_k_heads)                # core [B, T, HV, V]
+    return attn._finish(core.reshape(B * T, *core.shape[2:]), z.reshape(B * T, -1)), convs, recs
 
 
 def _head_step(model, y, tok, w_slots, pos, head):

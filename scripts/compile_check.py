@@ -27,15 +27,15 @@ from triton.backends.compiler import GPUTarget
 
 from onegraph.custom_ops import _registry
 from onegraph.custom_ops.triton import (attention_decode, attention_prefill, causal_conv, fused_moe, fused_moe_fp8,
-                                        fused_moe_fp8_prefill, fused_moe_prefill, gdn_decode_step,
+                                        fused_moe_fp8_prefill, fused_moe_prefill, gdn_decode_step, gdn_decode_steps,
                                         gdn_prefill, linear, linear_fp8, linear_w8a8, norms, qk_norm_rope, rope,
                                         sample)
 
 # every module that launches kernels: each one's `launch` global is replaced while a lowering runs
 # (gdn_decode_step_norm launches through causal_conv, gdn_decode_step and norms)
 MODULES = (attention_decode, attention_prefill, causal_conv, fused_moe, fused_moe_fp8, fused_moe_fp8_prefill,
-           fused_moe_prefill, gdn_decode_step, gdn_prefill, linear, linear_fp8, linear_w8a8, norms, qk_norm_rope,
-           rope, sample)
+           fused_moe_prefill, gdn_decode_step, gdn_decode_steps, gdn_prefill, linear, linear_fp8, linear_w8a8, norms,
+           qk_norm_rope, rope, sample)
 SMEM_LIMIT = 232448            # bytes per block on sm_90 (227 KiB opt-in)
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
           torch.int32: "i32", torch.float8_e4m3fn: "fp8e4nv", torch.int8: "i8"}
@@ -50,6 +50,11 @@ def cases(B: int):
                               torch.empty(S, 8192, 3, **bf), torch.empty(S, 32, 128, 128, dtype=torch.float32, **m),
                               torch.empty(B, dtype=torch.int64, **m), torch.empty(8192, 4, **bf),
                               torch.empty(32, **bf), torch.empty(32, **bf), 16)
+    yield "gdn_decode_steps", (torch.empty(B, 4, 12352, **bf)[..., :8192], torch.empty(B, 4, 12352, **bf)[..., 8224:8256],
+                               torch.empty(B, 4, 12352, **bf)[..., 8192:8224], torch.empty(S, 8192, 3, **bf),
+                               torch.empty(S, 32, 128, 128, dtype=torch.float32, **m),
+                               torch.empty(B, dtype=torch.int64, **m), torch.empty(8192, 4, **bf),
+                               torch.empty(32, **bf), torch.empty(32, **bf), 16)     # a K = 3 verify's GDN layer
     gdn = (torch.empty(B, 12352, **bf)[:, :8192], torch.empty(B, 32, **bf), torch.empty(B, 32, **bf),
            torch.empty(B, 4096, **bf), torch.empty(S, 8192, 3, **bf),
            torch.empty(S, 32, 128, 128, dtype=torch.float32, **m),

@@ -149,6 +149,12 @@ def case_gdn_decode_step(g):
             g.m(C, W, scale=0.5), A_log, dt_bias, HK]
 
 
+def case_gdn_decode_steps(g):
+    A_log, dt_bias = gdn_params(g)
+    return [g.m(2, 3, C), g.m(2, 3, HV), g.m(2, 3, HV), g.m(S, C, W - 1), g.f(S, HV, K, V, scale=0.5), i64([3, 1]),
+            g.m(C, W, scale=0.5), A_log, dt_bias, HK]
+
+
 def case_gdn_decode_step_norm(g):
     A_log, dt_bias = gdn_params(g)
     return [g.m(B, C), g.m(B, HV), g.m(B, HV), g.m(B, HV * V), g.m(S, C, W - 1), g.f(S, HV, K, V, scale=0.5),
@@ -283,6 +289,9 @@ VALIDATION = [
     ("gdn_decode_step", 1, torch.zeros(B, HV + 1), f"gdn_decode_step a: expected shape [{B}, {HV}]"),
     ("gdn_decode_step", 0, torch.zeros(B, C + 1), f"qkv channels {C + 1} != 2*{HK}*{K} + {HV}*{V}"),
     ("gdn_decode_step", 3, torch.zeros(S, C, W), f"gdn_decode_step conv_state: expected shape [{S}, {C}, {W - 1}]"),
+    ("gdn_decode_steps", 1, torch.zeros(2, 3, HV + 1), f"gdn_decode_step a: expected shape [2, {HV}]"),
+    ("gdn_decode_steps", 2, torch.zeros(2, 4, HV), "gdn_decode_steps b: expected shape [2, 3, *]"),
+    ("gdn_decode_steps", 0, torch.zeros(2, 0, C), "gdn_decode_steps: qkv holds no position"),
     ("gdn_decode_step_norm", 3, torch.zeros(B, HV * V + 1), f"gdn_decode_step_norm z: expected shape [{B}, {HV * V}]"),
     ("gdn_decode_step_norm", 10, torch.zeros(V + 1), f"gdn_decode_step_norm norm_weight: expected shape [{V}]"),
     ("gdn_prefill", 1, torch.zeros(T, HV - 1), f"gdn_prefill g: expected shape [{T}, {HV}]"),

@@ -8,6 +8,7 @@ swaps them at export time and AOTInductor compiles the kernels into the artifact
 One file per op (kernel + launcher + triton_op), sharing `_common.py`:
   gdn_decode_step.py   one fused kernel: conv window + SiLU, gates, L2 norm, fp32 delta rule
   gdn_decode_step_norm.py  the same with the output gated RMSNorm folded in, and an in-place twin
+  gdn_decode_steps.py  T positions of a speculative verify in one kernel, the state read once
   gdn_prefill.py       chunked delta rule: WY/UT transform, sequential state pass, output (3 kernels)
   fused_moe.py         routing from the given router logits, SwiGLU(gate_up) and down + combine
   fused_moe_prefill.py the T*k > E path of fused_moe: grouped GEMM over pairs sorted by expert
@@ -49,8 +50,7 @@ else:
     AVAILABLE = True
     IMPORT_ERROR = None
     from . import (add_rms_norm_linear, add_rms_norm_linear_fp8, attention_decode, attention_prefill,  # noqa: F401
-                   causal_conv, fused_moe, fused_moe_fp8,
-                   linear, gdn_decode_step, gdn_decode_step_norm, gdn_prefill, linear_fp8, linear_w8a8, norms,
-                   qk_norm_rope, rope, sample)
+                   causal_conv, fused_moe, fused_moe_fp8, gdn_decode_step, gdn_decode_step_norm, gdn_decode_steps,
+                   gdn_prefill, linear, linear_fp8, linear_w8a8, norms, qk_norm_rope, rope, sample)
     from . import (add_rms_norm_linear_invariant, attention_decode_invariant, fused_moe_invariant, gdn_decode_step_norm_invariant,  # noqa: F401
                    linear_invariant, sample_invariant)

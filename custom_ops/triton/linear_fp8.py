@@ -211,11 +211,17 @@ def _scaled(xv, s, srow0, rk, mk, SB: tl.constexpr, SCALED: tl.constexpr):
 # 8.46 us at 2 rows and 11.55 at 4 against 14.55 / 14.42 for the best 16-row dot tile (whose 64 programs of 32 rows
 # loop over K one tile after another). At K = 2048 and at 8 rows every FMA tile lost to the dot tile (2 rows: 18.6
 # against 13.6 for [qkv; z]).
+# "many" (prefill rows): the transposed product (SWAP), 128 rows of x a program against 64 weight rows, `bench_linear
+# --fp8 --rows 512,2048` on the H100 (benchmarks/h100_linear_fp8_prefill_swap.json): at 512 rows [qkv; z] 73.2 us
+# (352 TFLOP/s) against 137.1 at the plain (64, 64, 128) tile and 91.5 at the best plain one, out/o_proj 37.7 against
+# 45.3; at 2048 rows 308 / 211 / 89 against 529 / 394 / 170. cuBLAS on the bf16 weights: 37.1 / 30.4 / 17.2 at 512
+# rows, so the upcast FP8 tile still runs at about half of bf16's tensor-core rate. At 4-16 rows the swapped tiles
+# (64 weight rows a program) lost to the 16-row dot tile (16.5 against 13.7 for [qkv; z]).
 TILES = {("one", 2048): (1, 32, 256, 8, 2), ("one", 4096): (1, 2, 4096, 4, 1),
          "one": (1, 32, 256, 8, 2), ("rows2", 4096): (2, 8, 1024, 8, 1), ("rows4", 4096): (4, 8, 512, 8, 1),
          "few": (16, 32, 128, 4, 4),
          ("batch", 2048): (64, 32, 64, 4, 4), ("batch", 4096): (16, 32, 128, 4, 4),
-         "batch": (64, 32, 64, 4, 4), "many": (64, 64, 128, 4, 3)}
+         "batch": (64, 32, 64, 4, 4), "many": (128, 64, 128, 4, 3, True)}
 BATCH_MAX_M = 128
 ROWS_MAX_M = 4         # "rows2" / "rows4" (M = 2 / 3..4): an FMA tile over all M rows where TILES holds one for K
 DOT_MIN_BM = 16        # a tile of BM >= 16 rows runs tl.dot; fewer (1 included) the FMA path
@@ -223,7 +229,7 @@ DOT_MIN_BM = 16        # a tile of BM >= 16 rows runs tl.dot; fewer (1 included)
 
 # The launch order's group of M tiles per class (_fp8_kernel GM): 1 is an M tile's every weight tile, then the
 # next M tile's, so above one M tile each program re-reads its weight tile, from DRAM unless L2 still holds it.
-# `bench_linear --fp8 --rows 512,2048` sweeps GM in {1, 8} with the prefill tiles; not yet measured, so 1.
+# `bench_linear --fp8 --rows 512,2048` (H100) swept GM in {1, 8} with the prefill tiles: within 1-7 %, 1 mostly ahead.
 GROUP_M = {"one": 1, "few": 1, "batch": 1, "many": 1}
 
 
