@@ -194,7 +194,7 @@ def _scaled(xv, s, srow0, rk, mk, SB: tl.constexpr, SCALED: tl.constexpr):
         return xv
 
 
-# (BM, BN, BK, num_warps, num_stages) by M class: 1 (GEMV), 2..GEMV_MAX_M (dot, 16 rows), above (prefill),
+# (BM, BN, BK, num_warps, num_stages[, SWAP]) by M class: 1 (GEMV), 2..GEMV_MAX_M (dot, 16 rows), above (prefill),
 # and K for the GEMV. GEMV tiles: the least time per 35B decode step over the FP8 projections of that K,
 # `python -m onegraph.scripts.bench_linear --fp8 --rows 1,4,16` on the H200 (benchmarks/h200_linear_fp8.json, one CUDA
 # graph over distinct weight copies): the GDN [qkv; z] (25.2 MB) in 8.98 us (67 % of copy bandwidth), attention
