@@ -46,6 +46,31 @@ def _conv_silu(x_row, sx_c, cs_row, scs_c, scs_w, w_ptr, sw_c, sw_w, ncs_row, sn
 
 
 @triton.jit
+def _gates(av, A_log_h, b_h):
+    """(g, beta), fp32: g = -exp(A_log) * softplus(a + dt_bias) (av = a + dt_bias, fp32), beta = sigmoid(b) rounded
+    like b.sigmoid() in b's dtype."""
+    sp = tl.where(av > 20.0, av, tl.log(1.0 + tl.exp(tl.minimum(av, 20.0))))   # F.softplus, threshold 20
+    return -tl.exp(A_log_h.to(tl.float32)) * sp, rnd(tl.sigmoid(b_h.to(tl.float32)), b_h.dtype)
+
+
+@triton.jit
+def _qk_norm(q, k, q_scale):
+    """q, k [BK] fp32 L2-normed (eps 1e-6), q scaled by q_scale (K^-0.5)."""
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * tl.cast(q_scale, tl.float32)
+    return q, k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+
+
+@triton.jit
+def _delta_rule(S, q, k, v, g, beta):
+    """One token of the gated delta rule on the state tile S [BK, BV] fp32 -> (new S, out [BV] = S^T q)."""
+    S = S * tl.exp(g)
+    kv = tl.sum(S * k[:, None], axis=0)                                      # [BV]
+    delta = (v - kv) * beta
+    S = S + k[:, None] * delta[None, :]
+    return S, tl.sum(S * q[:, None], axis=0)
+
+
+@triton.jit
 def _gdn_decode_kernel(
         qkv, a, b, conv_state, rec_state, slots, conv_w, A_log, dt_bias,
         out, new_conv, new_rec,
@@ -96,21 +121,11 @@ def _gdn_decode_kernel(
     # gates (fp32): g = -exp(A_log) * softplus(a + dt_bias); beta = sigmoid(b) rounded like b.sigmoid(); before
     # the norms' reductions, so that their loads are in flight with the others
     av = tl.load(a + i_b * s_a_b + i_h * s_a_h).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
-    sp = tl.where(av > 20.0, av, tl.log(1.0 + tl.exp(tl.minimum(av, 20.0))))   # F.softplus, threshold 20
-    g = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * sp
-    bv = tl.load(b + i_b * s_b_b + i_h * s_b_h).to(tl.float32)
-    beta = rnd(tl.sigmoid(bv), b.dtype.element_ty)
-
-    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * tl.cast(q_scale, tl.float32)              # [BK]
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-
+    g, beta = _gates(av, tl.load(A_log + i_h), tl.load(b + i_b * s_b_b + i_h * s_b_h))
+    q, k = _qk_norm(q, k, q_scale)
     if not CONV_IN:
         S = tl.load(s_at, mask=m2, other=0.0)
-    S = S * tl.exp(g)
-    kv = tl.sum(S * k[:, None], axis=0)                                      # [BV]
-    delta = (v - kv) * beta
-    S = S + k[:, None] * delta[None, :]
-    o = tl.sum(S * q[:, None], axis=0)                                       # [BV]
+    S, o = _delta_rule(S, q, k, v, g, beta)
     tl.store(out + i_b * s_o_b + i_h * s_o_h + offs_v * s_o_v, to_dt(o, XDT), mask=mv)
     # in place: through rec_state itself (new_rec, the same tensor, only lends its strides): the compiler's
     # kernel analysis then sees the state read and written through one argument and copies nothing

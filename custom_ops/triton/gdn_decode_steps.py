@@ -20,7 +20,7 @@ from torch.library import triton_op
 from .. import _registry
 from ..gdn_decode_steps import _validate
 from ._common import launch, next_pow2, rnd, to_dt
-from .gdn_decode_step import block_v
+from .gdn_decode_step import _delta_rule, _gates, _qk_norm, block_v
 
 
 @triton.jit
@@ -73,7 +73,7 @@ def _gdn_steps_kernel(
     m2 = mk[:, None] & mv[None, :]
     S = tl.load(rec_state + slot * s_rs_s + i_h * s_rs_h + offs_k[:, None] * s_rs_k + offs_v[None, :] * s_rs_v,
                 mask=m2, other=0.0)                                        # [BK, BV] fp32, read once
-    A = -tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    A_log_h = tl.load(A_log + i_h)
     dt = tl.load(dt_bias + i_h).to(tl.float32)
     write_qk = (i_h % REP == 0) & (i_v == 0)      # key head hk's q/k conv rows: written by one program
     for j in range(T):
@@ -84,18 +84,11 @@ def _gdn_steps_kernel(
                           s_nc_w, j, HK * K + hk * K + offs_k, mk, write_qk, W, WP, XDT)
         v = _conv_silu_at(x_b, s_qkv_t, s_qkv_c, cs_row, s_cs_c, s_cs_w, conv_w, s_w_c, s_w_w, nc_row, s_nc_c,
                           s_nc_w, j, 2 * HK * K + i_h * V + offs_v, mv, i_v >= 0, W, WP, XDT)
-        # gates (fp32) as gdn_decode_step's kernel: g = -exp(A_log) * softplus(a + dt_bias); beta = sigmoid(b)
+        # gdn_decode_step's kernel's arithmetic, from the state this loop carries
         av = tl.load(a + i_b * s_a_b + j * s_a_t + i_h * s_a_h).to(tl.float32) + dt
-        sp = tl.where(av > 20.0, av, tl.log(1.0 + tl.exp(tl.minimum(av, 20.0))))   # F.softplus, threshold 20
-        bv = tl.load(b + i_b * s_b_b + j * s_b_t + i_h * s_b_h).to(tl.float32)
-        beta = rnd(tl.sigmoid(bv), b.dtype.element_ty)
-        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * tl.cast(q_scale, tl.float32)          # [BK]
-        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-        S = S * tl.exp(A * sp)
-        kv = tl.sum(S * k[:, None], axis=0)                                  # [BV]
-        delta = (v - kv) * beta
-        S = S + k[:, None] * delta[None, :]
-        o = tl.sum(S * q[:, None], axis=0)                                   # [BV]
+        g, beta = _gates(av, A_log_h, tl.load(b + i_b * s_b_b + j * s_b_t + i_h * s_b_h))
+        q, k = _qk_norm(q, k, q_scale)
+        S, o = _delta_rule(S, q, k, v, g, beta)
         tl.store(out + i_b * s_o_b + j * s_o_t + i_h * s_o_h + offs_v * s_o_v, to_dt(o, XDT), mask=mv)
         tl.store(rec_after + j * s_nr_t + i_b * s_nr_b + i_h * s_nr_h + offs_k[:, None] * s_nr_k
                  + offs_v[None, :] * s_nr_v, S, mask=m2)

@@ -148,7 +148,7 @@ def _rows(x, w, s, y, r0, N, pid, pm, M, s_x_m, s_w_n, s_s_n, s_y_m, res, nw, no
         srow = (rn // SB) * s_s_n                    # [BN] each row's block row in the scale table
         # SWAP: the transposed product acc^T [BN, BM] = w tile [BN, BK] @ x^T [BK, BM]; the upcast weight is the
         # MMA's A operand, which sm_90's wgmma takes from registers (the plain form writes the upcast tile to shared
-        # memory first, as B), and x's rows sit on the MMA's N, which may be 8-16 where M must be 64. Same products,
+        # memory first, as B), and x's rows sit on the MMA's N, which may be 16 where M must be 64. Same products,
         # same fp32 accumulation per tile
         acc = tl.zeros([BN, BM] if SWAP else [BM, BN], tl.float32)
         for k0 in range(0, K, BK):                   # BK divides SB: one block column per tile
