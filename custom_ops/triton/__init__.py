@@ -27,9 +27,9 @@ One file per op (kernel + launcher + triton_op), sharing `_common.py`:
                        tail of rows in the same launch)
   add_rms_norm_linear_fp8.py  the same fold for a block-FP8 projection (one row: the normed row in registers)
   linear_w8a8.py       W8A8 projections (int8 / e4m3 per-channel weights, activations quantized per token)
-Batch-invariant variants (export --batch-invariant; _registry's "triton_invariant" lowerings): every row with the
-one-row plan, whatever the batch (docs/design.md, "Batch invariance"):
-  linear_invariant.py  the M = 1 GEMV loop for every row (no tl.dot, no cuBLAS)
+Batch-invariant variants (export --batch-invariant; _registry's "triton_invariant" lowerings): every row with one
+plan, whatever the batch (docs/design.md, "Batch invariance"):
+  linear_invariant.py  one 16-row tl.dot tile for every M, M = 1 included (no FMA GEMV, no cuBLAS)
   add_rms_norm_linear_invariant.py  the norm kernel, then that GEMV (the router's input norm)
   fused_moe_invariant.py  the one-token decode kernels for every token count (no grouped GEMM)
   attention_decode_invariant.py  the one-row split count

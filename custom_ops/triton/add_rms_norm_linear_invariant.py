@@ -4,7 +4,7 @@
 add_rms_norm_linear.py makes the normed rows in the GEMV's prologue (in registers at one row, through memory at
 2..16 rows, each form with its own reduction tree) and hands larger batches to the norm kernel + cuBLAS: a row's
 bits depend on the batch. Here: the add_rms_norm kernel (one row per program, its tile from K only), then
-linear_invariant.py's GEMV (every row by the one-row loop). Two launches at every batch, batch 1 included.
+linear_invariant.py's GEMV (every row by its fixed 16-row tl.dot tile). Two launches at every batch, batch 1 included.
 """
 from __future__ import annotations
 

@@ -66,8 +66,10 @@ def _normed_row(x, res, nw, normed, hout, eps, pid, K: tl.constexpr, KP: tl.cons
 def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps, K: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
                  DOT_F32: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, REGS: tl.constexpr,
-                 PM: tl.constexpr):
+                 PM: tl.constexpr, MT: tl.constexpr):
     """y[:M, n-tile] = x[:M] @ w[n-tile].T; x and w contiguous along K.
+    MT (DOT, no NORM): row tiles of BM rows; program p takes row tile p % MT of output tile p // MT (a weight
+    tile's MT programs adjacent, so it comes from DRAM once). 1 except in linear_invariant.py's plan.
     NORM (add_rms_norm_linear): the rows multiplied are normed = rms_norm(x + res) * (1 + nw) instead of x.
     Every program makes them in a prologue (x and res are 2-8 KB per row, read from L2) and writes them to
     `normed` (program 0 also x + res to `hout`); after a block barrier the plain GEMV loop reads them back
@@ -85,10 +87,10 @@ def _gemv_kernel(x, w, y, M, N, s_x_m, s_w_n, s_y_m, res, nw, normed, hout, eps,
     suits the wide projections (the GDN in_proj's 3088 programs would write 12 MB of rows in the form above)."""
     pid = tl.program_id(0)
     DT: tl.constexpr = y.dtype.element_ty
-    rn = pid * BN + tl.arange(0, BN)
+    rn = (pid // MT) * BN + tl.arange(0, BN)
     mn = rn < N
     rn64 = rn.to(tl.int64)                           # w offsets pass 2**31 for the large projections
-    rm = tl.arange(0, BM)
+    rm = (pid % MT) * BM + tl.arange(0, BM)
     mm = rm < M
     if REGS:                                         # NORM, M == 1, the whole row one tile (docstring)
         pk = tl.arange(0, KP)
@@ -188,16 +190,20 @@ def tile(M: int, K: int) -> tuple[int, int, int, int]:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, int] | None = None,
-         norm: tuple[torch.Tensor, torch.Tensor, float] | None = None):
+         norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, row_tiles: bool = False):
     """x [M <= GEMV_MAX_M, K] @ w [N, K].T by _gemv_kernel; cfg overrides the tile (benchmarks only).
     norm = (residual [M, K], norm weight [K], eps): add_rms_norm_linear's rows instead of x, and returns
-    (y, normed, x + residual)."""
+    (y, normed, x + residual).
+    row_tiles (linear_invariant.py; no norm): any M, in tiles of BM = 16 rows by the tl.dot path and the tile of
+    tile(GEMV_MAX_M, K), M = 1 included: a row's products and sums are then the same whatever M is."""
     M, K = x.shape
     N = w.shape[0]
     x, w = x.contiguous(), w.contiguous()
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     regs = norm is not None and M == 1 and K <= NORM_ROW_MAX_K
-    bn, bk, warps, stages = cfg or (norm_row_tile(K) if regs else tile(M, K))
+    bn, bk, warps, stages = cfg or (norm_row_tile(K) if regs else tile(GEMV_MAX_M if row_tiles else M, K))
+    dot = row_tiles or M > 1
+    mt = triton.cdiv(M, GEMV_MAX_M) if row_tiles else 1
     if norm is None:
         res, nw, normed, h, eps = x, x, y, y, 0.0
     else:
@@ -205,9 +211,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, int] | None
         normed, h = torch.empty_like(x), torch.empty_like(x)
     PM = triton.next_power_of_2(M)
     KP = triton.next_power_of_2(K) if M == 1 else min(triton.next_power_of_2(K), max(16, PROLOGUE_ELEMS // PM))
-    launch(_gemv_kernel, (triton.cdiv(N, bn),), x, w, y, M, N, x.stride(0), w.stride(0), y.stride(0),
-           res, nw, normed, h, eps, K=K, BM=1 if M == 1 else 16, BN=bn, BK=bk, DOT=M > 1,
-           DOT_F32=INTERPRETED, NORM=norm is not None, KP=KP, REGS=regs and bk == KP, PM=PM,
+    launch(_gemv_kernel, (mt * triton.cdiv(N, bn),), x, w, y, M, N, x.stride(0), w.stride(0), y.stride(0),
+           res, nw, normed, h, eps, K=K, BM=GEMV_MAX_M if dot else 1, BN=bn, BK=bk, DOT=dot,
+           DOT_F32=INTERPRETED, NORM=norm is not None, KP=KP, REGS=regs and bk == KP, PM=PM, MT=mt,
            num_warps=warps, num_stages=stages)
     return y if norm is None else (y, normed, h)
 
