@@ -63,9 +63,8 @@ TRITON_CUDA_OPS = frozenset({"gdn_decode_step", "gdn_prefill", "fused_moe", "att
                              "add_rms_norm_linear_fp8", "gdn_decode_steps"})
 # Ops whose Triton plan depends on the rows in the launch and that have no "triton_invariant" lowering yet:
 # a graph traced with batch_invariant=True that holds one is refused (the export options refuse their causes
-# first: --quant, --fp8-lm-head, --fp32-reduce).
-BATCH_VARIANT = frozenset({"linear_fp8", "add_rms_norm_linear_fp8", "fused_moe_fp8",
-                           "linear_w8a8_fp8", "linear_w8a8_int8", "linear_f32", "gdn_decode_step",
+# first: a W8A8 --quant, --fp32-reduce).
+BATCH_VARIANT = frozenset({"linear_w8a8_fp8", "linear_w8a8_int8", "linear_f32", "gdn_decode_step",
                            "gdn_decode_steps"})
 INVARIANT = "triton_invariant"
 # (name, how) -> callable with the op's signature that export puts in the op's place.

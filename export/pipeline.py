@@ -140,9 +140,8 @@ class ExportOptions:
                if self.device == "cpu" else
                "needs --kernels auto (Inductor's kernels of the references pick their plans from the shapes)"
                if self.kernels != "auto" else
-               "needs --quant none (the FP8 / W8A8 projections and experts have no batch-invariant kernels yet)"
-               if self.quant not in ("auto", "none") else
-               "cannot take --fp8-lm-head (no batch-invariant FP8 GEMV yet)" if self.fp8_lm_head else
+               "needs --quant none or fp8 (the W8A8 projections have no batch-invariant kernels yet)"
+               if self.quant not in ("auto", "none", "fp8") else
                "cannot take --fp32-reduce (its fp32 projections are cuBLAS GEMMs, chosen by the batch)"
                if self.fp32_reduce else
                "needs --tp 1 (the all-reduce's chunks follow the batch's bytes)" if self.tp > 1 else

@@ -4,7 +4,7 @@ CUDA-graph replays of CALLS calls (2 weight copies alternated, so the big weight
 summed per decode step by how many times the 40-layer model calls it (30 GDN layers, 10 attention layers, 40 MoE
 blocks, one lm_head and one sample). A sum of isolated kernels, not a replayed step: the JSON says so.
 
-    python -m onegraph.scripts.bench_batch_invariant --out OUT.json [--batches 1,8,64]
+    python -m onegraph.scripts.bench_batch_invariant --out OUT.json [--batches 1,8,64] [--quant fp8]
 """
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ def rand(*shape, scale=1.0, dtype=BF):
     return (torch.randn(*shape, device="cuda") * scale).to(dtype)
 
 
-def cases(B: int):
-    """(name, calls per 35B decode step, default op, invariant op, make inputs -> args)."""
+def cases(B: int, fp8: bool = False):
+    """(name, calls per 35B decode step, default op, invariant op, make inputs -> args); fp8: the block-FP8 model's
+    (--quant fp8 --fp8-lm-head) projections, experts and head in place of the bf16 ones."""
     ops = torch.ops.onegraph
     H, E, K_, I = 2048, 256, 8, 512
     Tmax, pos = 4096, 1024
@@ -56,6 +57,8 @@ def cases(B: int):
         return (rand(B, 248320, scale=3.0), torch.full((B,), 0.7, **f), torch.zeros(B, dtype=torch.int64, **f),
                 torch.full((B,), 0.9, **f), torch.arange(B, **f), torch.full((B,), pos, **f))
 
+    if fp8:
+        return fp8_cases(B, ops, router, attn, gdn, sample)
     return [("gdn_in_proj linear [12352, 2048]", 30, ops.linear_triton, ops.linear_invariant_triton, lin(12352, 2048)),
             ("attn_qkv linear [9216, 2048]", 10, ops.linear_triton, ops.linear_invariant_triton, lin(9216, 2048)),
             ("out/o_proj linear [2048, 4096]", 40, ops.linear_triton, ops.linear_invariant_triton, lin(2048, 4096)),
@@ -67,6 +70,39 @@ def cases(B: int):
             ("attention_decode at 1024 keys", 10, ops.attention_decode_triton, ops.attention_decode_invariant_triton,
              attn),
             ("lm_head linear [248320, 2048]", 1, ops.linear_triton, ops.linear_invariant_triton, lin(248320, 2048)),
+            ("sample top-p 0.9", 1, ops.sample_triton, ops.sample_invariant_triton, sample)]
+
+
+def fp8_cases(B, ops, router, attn, gdn, sample):
+    from onegraph.checkpoint.quant import quantize
+    H, E, K_, I = 2048, 256, 8, 512
+
+    def lin(N, K, tail=0):
+        def make():
+            w, s = quantize(rand(N, K, scale=K ** -0.5))
+            return (rand(B, K), w, s, rand(tail, K, scale=K ** -0.5) if tail else None)
+        return make
+
+    def moe():
+        ws = [quantize(w) for w in (rand(E, 2 * I, H, scale=H ** -0.5), rand(E, H, I, scale=I ** -0.5),
+                                    rand(I, H, scale=H ** -0.5), rand(I, H, scale=H ** -0.5), rand(H, I, scale=I ** -0.5))]
+        return (rand(B, H), rand(B, E + 1), *[t for w in ws for t in w], K_)
+
+    return [("gdn_in_proj linear_fp8 [12288, 2048] + tail 64", 30, ops.linear_fp8_triton, ops.linear_fp8_invariant_triton,
+             lin(12288, 2048, 64)),
+            ("attn_qkv linear_fp8 [9216, 2048]", 10, ops.linear_fp8_triton, ops.linear_fp8_invariant_triton,
+             lin(9216, 2048)),
+            ("out/o_proj linear_fp8 [2048, 4096]", 40, ops.linear_fp8_triton, ops.linear_fp8_invariant_triton,
+             lin(2048, 4096)),
+            ("router add_rms_norm_linear [257, 2048]", 40, ops.add_rms_norm_linear_triton,
+             ops.add_rms_norm_linear_invariant_triton, router),
+            ("fused_moe_fp8 256 experts top-8", 40, ops.fused_moe_fp8_triton, ops.fused_moe_fp8_invariant_triton, moe),
+            ("gdn_decode_step_norm", 30, ops.gdn_decode_step_norm_triton, ops.gdn_decode_step_norm_invariant_triton,
+             gdn),
+            ("attention_decode at 1024 keys", 10, ops.attention_decode_triton, ops.attention_decode_invariant_triton,
+             attn),
+            ("lm_head linear_fp8 [248320, 2048]", 1, ops.linear_fp8_triton, ops.linear_fp8_invariant_triton,
+             lin(248320, 2048)),
             ("sample top-p 0.9", 1, ops.sample_triton, ops.sample_invariant_triton, sample)]
 
 
@@ -96,11 +132,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--quant", choices=("none", "fp8"), default="none",
+                    help="fp8: the block-FP8 projections, experts and lm_head (--quant fp8 --fp8-lm-head)")
     a = ap.parse_args()
     import onegraph.custom_ops.triton  # noqa: F401  (registers the Triton ops)
     torch.manual_seed(0)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    res = {"command": f"python -m onegraph.scripts.bench_batch_invariant --batches {a.batches} --out OUT.json",
+    res = {"command": f"python -m onegraph.scripts.bench_batch_invariant --batches {a.batches} --quant {a.quant} "
+                      "--out OUT.json", "quant": a.quant,
            "gpu": torch.cuda.get_device_name(), "commit": commit, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "method": f"each op alone, {CALLS} calls per CUDA graph over 2 input copies, {REPLAYS} replays; the step sum "
                      "weights each op by its calls per 40-layer decode step. Isolated kernels, not a replayed step: "
@@ -108,7 +147,7 @@ def main():
            "batches": {}}
     for B in map(int, a.batches.split(",")):
         rows, tot = {}, {"default_us": 0.0, "invariant_us": 0.0}
-        for name, n, dflt, inv, make in cases(B):
+        for name, n, dflt, inv, make in cases(B, a.quant == "fp8"):
             inputs = [make(), make()]
             d, i = time_us(dflt, inputs), time_us(inv, inputs)
             rows[name] = {"calls_per_step": n, "default_us": round(d, 2), "invariant_us": round(i, 2)}

@@ -108,6 +108,70 @@ def test_fused_moe_rows_equal_alone_past_the_grouped_path():
     check_moe(T=6, E=8, k=2, H=64, I=32, Is=48)
 
 
+# ---------------------------------------------------------------- block FP8: linear_fp8 (+ norm), fused_moe_fp8
+def check_linear_fp8(M, N, K, tail_rows=0, dtype=torch.bfloat16, seed=0):
+    from test_triton_linear_fp8 import _check, _check_tail, _fp8_weight, _x
+    w, scale = _fp8_weight(N, K, seed)
+    x = _x(M, K, dtype, seed)
+    tail = _x(tail_rows, K, dtype, seed + 7) * K ** -0.5 if tail_rows else None
+    y, alone = rows_alone(ops.linear_fp8_invariant_triton, (x, w, scale, tail), lambda i: (x[i:i + 1], w, scale, tail),
+                          M)
+    assert_rows_equal(y, alone, f"linear_fp8 M={M}")
+    (_check_tail if tail_rows else _check)(y, x, w, scale, *([tail] if tail_rows else []))
+    return x, w, scale, y
+
+
+@needs_triton
+@pytest.mark.parametrize("M, tail_rows", [(3, 0), (20, 5)])     # 20: two 16-row tiles; 5: a float tail
+def test_linear_fp8_rows_equal_alone(M, tail_rows):
+    check_linear_fp8(M, 200, 300, tail_rows)                      # N, K: a partial 128-block each
+
+
+@needs_triton
+def test_add_rms_norm_linear_fp8_rows_equal_alone():
+    from test_triton_linear_fp8 import _fp8_weight
+    from onegraph.custom_ops.add_rms_norm_linear_fp8 import reference_add_rms_norm_linear_fp8
+    g = torch.Generator().manual_seed(4)
+    x, res, nw = rand(g, 5, 160), rand(g, 5, 160), rand(g, 160, scale=0.1)
+    w, scale = _fp8_weight(136, 160, 4)
+    tail = rand(g, 3, 160, scale=160 ** -0.5)
+
+    def op(*a):
+        return torch.cat(ops.add_rms_norm_linear_fp8_invariant_triton(*a), 1)   # y ‖ normed ‖ h per row
+    got, alone = rows_alone(op, (x, res, nw, 1e-6, w, scale, tail),
+                            lambda i: (x[i:i + 1], res[i:i + 1], nw, 1e-6, w, scale, tail), 5)
+    assert_rows_equal(got, alone, "add_rms_norm_linear_fp8")
+    ref = reference_add_rms_norm_linear_fp8(*[a.cpu() if isinstance(a, torch.Tensor) else a
+                                              for a in (x, res, nw, 1e-6, w, scale, tail)])
+    ref = torch.cat(ref, 1)
+    assert ((got.float().cpu() - ref.float()).abs() / ref.float().abs().amax()).max() <= 2.0 ** -7
+
+
+def check_moe_fp8(T, E, k, H, I, Is):
+    from test_triton_moe_fp8 import fp8_args
+    from onegraph.custom_ops.fused_moe_fp8 import reference_fused_moe_fp8
+    args, _ = fp8_args(T, H, E, I, Is, k, torch.bfloat16, seed=0, pow2=False)
+
+    def row(i):
+        return [args[0][i:i + 1], args[1][i:i + 1], *args[2:]]
+    y, alone = rows_alone(ops.fused_moe_fp8_invariant_triton, args, row, T)
+    assert_rows_equal(y, alone, f"fused_moe_fp8 T={T}")
+    host = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+    top = host[1][:, :E].float().topk(k + 1).values
+    for i in range(T):                                # the reference's decode branch, one token (ties: as check_moe)
+        if top[i, k - 1] == top[i, k]:
+            continue
+        ref = reference_fused_moe_fp8(host[0][i:i + 1], host[1][i:i + 1], *host[2:])
+        assert (y[i:i + 1].float().cpu() - ref.float()).abs().max() <= 3e-2, f"fused_moe_fp8 token {i} vs reference"
+    return args, y
+
+
+@needs_triton
+def test_fused_moe_fp8_rows_equal_alone_past_the_grouped_path():
+    """T * k > E: fused_moe_fp8.py would take the grouped GEMMs; the variant keeps the one-token kernels."""
+    check_moe_fp8(T=6, E=8, k=2, H=192, I=136, Is=136)
+
+
 # ---------------------------------------------------------------- attention_decode
 def attn_case(B, H, KVH, D, Tmax, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -206,11 +270,29 @@ def test_35b_shapes_rows_equal_alone_where_the_defaults_do_not(B):
     assert any(default_differs), "no default kernel differed from its solo row: the test's inputs show nothing"
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("B", [8, 64])
+def test_35b_fp8_shapes_rows_equal_alone_where_the_defaults_do_not(B):
+    """The block-FP8 variants at the 35B shapes: the GDN [qkv; z] projection with its float [b; a] tail, out_proj
+    (K = 4096) and the MoE; rows equal alone, and some default FP8 kernel's row differs from its solo call."""
+    if not (CUDA and HAVE_TRITON):
+        pytest.skip("needs a CUDA device and triton")
+    default_differs = []
+    for N, K, tail_rows in ((12288, 2048, 64), (2048, 4096, 0)):
+        x, w, scale, _ = check_linear_fp8(B, N, K, tail_rows)
+        default_differs.append(not torch.equal(ops.linear_fp8_triton(x, w, scale)[:1],
+                                               ops.linear_fp8_triton(x[:1], w, scale)))
+    args, _ = check_moe_fp8(B, 256, 8, 2048, 512, 512)
+    default_differs.append(not torch.equal(ops.fused_moe_fp8_triton(*args)[:1],
+                                           ops.fused_moe_fp8_triton(args[0][:1], args[1][:1], *args[2:])))
+    print(f"B={B}: default FP8 kernels differing from their solo row (K=2048, K=4096, moe): {default_differs}")
+    assert any(default_differs), "no default FP8 kernel differed from its solo row: the test's inputs show nothing"
+
+
 # ---------------------------------------------------------------- the option
 @pytest.mark.parametrize("kw, needle", [(dict(device="cpu"), "--device cuda"),
                                         (dict(device="cuda", kernels="reference"), "--kernels auto"),
-                                        (dict(device="cuda", quant="fp8"), "--quant none"),
-                                        (dict(device="cuda", fp8_lm_head=True), "--fp8-lm-head"),
+                                        (dict(device="cuda", quant="int8"), "--quant none or fp8"),
                                         (dict(device="cuda", fp32_reduce=True), "--fp32-reduce"),
                                         (dict(device="cuda", tp=2), "--tp 1"),
                                         (dict(device="cuda", speculative_tokens=2), "--speculative-tokens")])
@@ -240,14 +322,16 @@ def test_inspect_says_whether_batch_invariant(tiny_artifact):
 
 
 @needs_triton
-def test_decode_graph_holds_only_the_invariant_variants():
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
+def test_decode_graph_holds_only_the_invariant_variants(fp8):
     """tiny's decode graph at bucket 4, traced as export does under the option (CUDA lowerings, traced on this
-    machine's device): linear, fused_moe, attention, sample and the GDN step are the variants, no norm is folded
-    into a projection, and the GDN state is still written in place (the variant's twin)."""
+    machine's device): linear, fused_moe, attention, sample and the GDN step are the variants (with --quant fp8
+    --fp8-lm-head: the FP8 projections', experts' and head's too), no norm is folded into a projection, and the
+    GDN state is still written in place (the variant's twin)."""
     from onegraph.checkpoint.load import load_model
     from onegraph.export.entry import graph_spec
     from onegraph.export.trace import trace
-    _, model, _ = load_model("tiny", "float32", DEVICE)
+    _, model, _ = load_model("tiny", "float32", DEVICE, quant="fp8" if fp8 else None, fp8_lm_head=fp8)
     from onegraph.models.qwen3_5.fuse import fuse_projections
     fuse_projections(model)
     spec = graph_spec(model, "decode", 4, 64, torch.float32)
@@ -256,7 +340,9 @@ def test_decode_graph_holds_only_the_invariant_variants():
     else:
         _, hist = _trace_as_cuda(model, spec)
     names = {n for n in hist if n.startswith("onegraph::")}
-    for op in ("linear", "add_rms_norm_linear", "fused_moe", "attention_decode", "sample"):
+    ops_ = ("linear_fp8", "add_rms_norm_linear", "fused_moe_fp8", "attention_decode", "sample") if fp8 else \
+        ("linear", "add_rms_norm_linear", "fused_moe", "attention_decode", "sample")
+    for op in ops_:
         assert f"onegraph::{op}_invariant_triton" in names and f"onegraph::{op}_triton" not in names, names
     assert "onegraph::gdn_decode_step_norm_invariant_inplace_triton" in names, names
     assert "onegraph::add_rms_norm_linear_triton" not in names, names      # no fold_norm at batch 1 either

@@ -1,7 +1,8 @@
 """The batch-invariance canary on a GPU (run on the H200 through the device tool; skipped without CUDA): a bf16
-`tiny` CUDA artifact exported with --batch-invariant (decode buckets 1, 4, 8; prefill chunks 16 and 64), 224
-requests (7 prompts x 4 samplers: greedy; temperature 0.8 seed 11; top-k 20 seed 3; top-p 0.9 at temperature
-0.7 seed 5; x 8 repeats) staggered through Engine.stream on 8 slots, each equal to the same request run alone,
+`tiny` CUDA artifact exported with --batch-invariant (decode buckets 1, 4, 8; prefill chunks 16 and 64), and one
+with --quant fp8 --fp8-lm-head besides; on each, 224 requests (7 prompts x 4 samplers: greedy; temperature 0.8
+seed 11; top-k 20 seed 3; top-p 0.9 at temperature 0.7 seed 5; x 8 repeats) staggered through Engine.stream on
+8 slots, each equal to the same request run alone,
 token for token (tests/canary.py run_mix). The same mix on the CPU artifact: tests/test_canary_mix.py.
 test_default_artifact_for_the_record runs the mix on the artifact exported without the option and prints its
 count (batching may legitimately change a row's last bits there, so it asserts nothing about them)."""
@@ -32,30 +33,38 @@ def _mix(path):
         eng.close()
 
 
-@pytest.fixture(scope="module")
-def invariant_artifact(tmp_path_factory):
-    return _export(tmp_path_factory, "tiny-bi", batch_invariant=True)
+# bf16 weights, and the same with block-FP8 projections, experts and lm_head (--quant fp8 --fp8-lm-head)
+INVARIANT = {"bf16": dict(), "fp8": dict(quant="fp8", fp8_lm_head=True)}
+
+
+@pytest.fixture(scope="module", params=list(INVARIANT))
+def invariant_artifact(request, tmp_path_factory):
+    return request.param, _export(tmp_path_factory, f"tiny-bi-{request.param}", batch_invariant=True,
+                                  **INVARIANT[request.param])
 
 
 def test_invariant_artifact_records_the_option(invariant_artifact):
     from onegraph.export.pipeline import inspect
     from onegraph.runtime.artifact import verify
-    m = verify(invariant_artifact, files=False)
+    weights, path = invariant_artifact
+    m = verify(path, files=False)
     assert m["options"]["batch_invariant"] is True
-    assert "batch invariance: on" in inspect(invariant_artifact, m)
+    assert "batch invariance: on" in inspect(path, m)
+    lin, moe = ("linear_fp8", "fused_moe_fp8") if weights == "fp8" else ("linear", "fused_moe")
     for name, g in m["graphs"].items():
         ops = set(g["ops"])
         if g["kind"] == "decode":
-            assert {"onegraph::linear_invariant_triton", "onegraph::fused_moe_invariant_triton",
+            assert {f"onegraph::{lin}_invariant_triton", f"onegraph::{moe}_invariant_triton",
                     "onegraph::attention_decode_invariant_triton", "onegraph::sample_invariant_triton"} <= ops, name
-            assert not {"onegraph::linear_triton", "onegraph::fused_moe_triton"} & ops, name
+            assert not {f"onegraph::{lin}_triton", f"onegraph::{moe}_triton"} & ops, name
         else:                               # prefill runs one request per call: the default kernels
             assert not any(o.endswith("_invariant_triton") for o in ops), name
 
 
 def test_224_requests_equal_their_solo_runs(invariant_artifact):
-    n, failures, c = _mix(invariant_artifact)
-    print(f"batch-invariant artifact: {n - len(failures)} of {n} requests equal their solo run; "
+    weights, path = invariant_artifact
+    n, failures, c = _mix(path)
+    print(f"batch-invariant {weights} artifact: {n - len(failures)} of {n} requests equal their solo run; "
           f"decode steps {c['decode_steps']}, rows {c['decode_rows']}")
     assert n == 224
     assert c["decode_rows"] > c["decode_steps"], "no step ever batched two rows"

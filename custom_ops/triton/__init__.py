@@ -31,6 +31,9 @@ Batch-invariant variants (export --batch-invariant; _registry's "triton_invarian
 plan, whatever the batch (docs/design.md, "Batch invariance"):
   linear_invariant.py  one 16-row tl.dot tile for every M, M = 1 included (no FMA GEMV, no cuBLAS)
   add_rms_norm_linear_invariant.py  the norm kernel, then that GEMV (the router's input norm)
+  linear_fp8_invariant.py  linear_fp8's 16-row dot tile for every M (the float tail in the same launch)
+  add_rms_norm_linear_fp8_invariant.py  the norm kernel, then that projection
+  fused_moe_fp8_invariant.py  the one-token FP8 decode kernels for every token count
   fused_moe_invariant.py  the one-token decode kernels for every token count (no grouped GEMM)
   attention_decode_invariant.py  the one-row split count
   sample_invariant.py  the one-row vocabulary chunks
@@ -52,5 +55,6 @@ else:
     from . import (add_rms_norm_linear, add_rms_norm_linear_fp8, attention_decode, attention_prefill,  # noqa: F401
                    causal_conv, fused_moe, fused_moe_fp8, gdn_decode_step, gdn_decode_step_norm, gdn_decode_steps,
                    gdn_prefill, linear, linear_fp8, linear_w8a8, norms, qk_norm_rope, rope, sample)
-    from . import (add_rms_norm_linear_invariant, attention_decode_invariant, fused_moe_invariant, gdn_decode_step_norm_invariant,  # noqa: F401
-                   linear_invariant, sample_invariant)
+    from . import (add_rms_norm_linear_fp8_invariant, add_rms_norm_linear_invariant,  # noqa: F401
+                   attention_decode_invariant, fused_moe_fp8_invariant, fused_moe_invariant,
+                   gdn_decode_step_norm_invariant, linear_fp8_invariant, linear_invariant, sample_invariant)

@@ -163,11 +163,13 @@ def tiles(T) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
 
 
 def _launch_decode(x, logits, gate_up, gate_up_scale, down, down_scale, shared_gate, shared_gate_scale,
-                   shared_up, shared_up_scale, shared_down, shared_down_scale, top_k, out_dtype):
+                   shared_up, shared_up_scale, shared_down, shared_down_scale, top_k, out_dtype, plan=None):
+    """The two decode kernels over T tokens; plan: the tiles, as tiles() returns them (default tiles(T);
+    fused_moe_fp8_invariant.py passes tiles(1) at every T)."""
     T, H = x.shape
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
     Is = shared_gate.shape[0]
-    (bi1, bh1, w1), (bh2, bi2, w2) = tiles(T)
+    (bi1, bh1, w1), (bh2, bi2, w2) = plan or tiles(T)
     if BLOCK % bi1 or BLOCK % bh2:
         raise ValueError(f"fused_moe_fp8: weight-row tiles must divide {BLOCK}, got {bi1} and {bh2}")
     # the scale tables are read as contiguous rows of block columns (a few KiB; contiguous already when loaded)
