@@ -64,8 +64,7 @@ TRITON_CUDA_OPS = frozenset({"gdn_decode_step", "gdn_prefill", "fused_moe", "att
 # Ops whose Triton plan depends on the rows in the launch and that have no "triton_invariant" lowering yet:
 # a graph traced with batch_invariant=True that holds one is refused (the export options refuse their causes
 # first: a W8A8 --quant, --fp32-reduce).
-BATCH_VARIANT = frozenset({"linear_w8a8_fp8", "linear_w8a8_int8", "linear_f32", "gdn_decode_step",
-                           "gdn_decode_steps"})
+BATCH_VARIANT = frozenset({"linear_w8a8_fp8", "linear_w8a8_int8", "linear_f32", "gdn_decode_step"})
 INVARIANT = "triton_invariant"
 # (name, how) -> callable with the op's signature that export puts in the op's place.
 LOWERINGS: dict[tuple[str, str], Callable] = {}

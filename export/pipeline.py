@@ -144,9 +144,7 @@ class ExportOptions:
                if self.quant not in ("auto", "none", "fp8") else
                "cannot take --fp32-reduce (its fp32 projections are cuBLAS GEMMs, chosen by the batch)"
                if self.fp32_reduce else
-               "needs --tp 1 (the all-reduce's chunks follow the batch's bytes)" if self.tp > 1 else
-               "cannot take --speculative-tokens yet (the verify graphs' rows are not covered)"
-               if self.speculative_tokens else None)
+               "needs --tp 1 (the all-reduce's chunks follow the batch's bytes)" if self.tp > 1 else None)
         if why:
             raise ValueError(f"--batch-invariant {why}")
 
@@ -322,9 +320,9 @@ def _build(model_spec, stage: Path, opts: ExportOptions, progress: bool, cache: 
                     tag = spec.name if tp == 1 else f"rank{r}/{spec.name}"
                     bar.set_postfix_str(f"trace {tag}")
                     t = time.time()
-                    # prefill graphs run one request at a time: only decode rows share a launch
+                    # prefill graphs run one request at a time: only decode and speculative rows share a launch
                     ep, hist = trace(rank_model, spec, dev, opts.kernels,
-                                     batch_invariant=opts.batch_invariant and kind == "decode")
+                                     batch_invariant=opts.batch_invariant and kind in ("decode", "spec"))
                     if warm is not None:
                         warm.join()             # before any key, worker or in-process lowering
                     rel = sub + f"{spec.name}.{'pt2' if opts.backend == 'aoti' else 'onnx'}"

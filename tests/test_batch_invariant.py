@@ -247,6 +247,29 @@ def test_gdn_rows_equal_alone():
     check_gdn(B=3, HK=2, HV=4, K=16, V=32)
 
 
+# ---------------------------------------------------------------- gdn_decode_steps (a speculative verify's GDN layer)
+def check_gdn_steps(B, T, HK, HV, K, V):
+    from test_triton_gdn_decode_steps import make
+    from onegraph.custom_ops.gdn_decode_steps import reference_gdn_decode_steps
+    args = make(B, T, B + 1, HK, HV, K, V, 4, torch.bfloat16, 0, list(range(B, 0, -1)))
+
+    def row(i):
+        return [t[i:i + 1] if j in (0, 1, 2, 5) else t for j, t in enumerate(args)]
+    outs, alone = rows_alone(ops.gdn_decode_steps_invariant_triton, args, row, B)
+    assert_rows_equal(outs[0], [a[0] for a in alone], f"gdn_decode_steps out B={B}")
+    for j, what in ((1, "conv_after"), (2, "rec_after")):         # [T, B, ...]: slot i is column i
+        for i, a in enumerate(alone):
+            assert torch.equal(outs[j][:, i:i + 1], a[j]), f"gdn_decode_steps {what}: slot {i} differs from its solo call"
+    ref = reference_gdn_decode_steps(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args])
+    assert (outs[0].float().cpu() - ref[0].float()).abs().max() <= 3.2e-2
+    return args, outs
+
+
+@needs_triton
+def test_gdn_steps_rows_equal_alone():
+    check_gdn_steps(B=3, T=3, HK=2, HV=4, K=16, V=32)
+
+
 # ---------------------------------------------------------------- CUDA: the 35B shapes, where the defaults differ
 @pytest.mark.cuda
 @pytest.mark.parametrize("B", [8, 64])
@@ -266,6 +289,7 @@ def test_35b_shapes_rows_equal_alone_where_the_defaults_do_not(B):
     args, _ = check_attention(B, 16, 2, 256, 4096)
     args, _ = check_sample(B, 248320)
     args, _ = check_gdn(B, 16, 32, 128, 128)
+    args, _ = check_gdn_steps(B, 4, 16, 32, 128, 128)            # a K = 3 verify's GDN layer over B slots
     print(f"B={B}: default kernels differing from their solo row (linear K=4096, linear K=2048, moe): {default_differs}")
     assert any(default_differs), "no default kernel differed from its solo row: the test's inputs show nothing"
 
@@ -294,8 +318,7 @@ def test_35b_fp8_shapes_rows_equal_alone_where_the_defaults_do_not(B):
                                         (dict(device="cuda", kernels="reference"), "--kernels auto"),
                                         (dict(device="cuda", quant="int8"), "--quant none or fp8"),
                                         (dict(device="cuda", fp32_reduce=True), "--fp32-reduce"),
-                                        (dict(device="cuda", tp=2), "--tp 1"),
-                                        (dict(device="cuda", speculative_tokens=2), "--speculative-tokens")])
+                                        (dict(device="cuda", tp=2), "--tp 1")])
 def test_option_refuses_what_it_does_not_cover(kw, needle):
     from onegraph.export.pipeline import ExportOptions
     with pytest.raises(ValueError, match="--batch-invariant") as e:
@@ -349,6 +372,26 @@ def test_decode_graph_holds_only_the_invariant_variants(fp8):
     assert not {"aten::index_copy", "aten::index_put", "aten::mm", "aten::addmm"} & set(hist), hist   # state in place, no GEMM
 
 
+@needs_triton
+def test_speculative_graph_holds_only_the_invariant_variants():
+    """tiny's speculative round graph (K = 2, bucket 2) traced under the option: the draft head's and the verify's
+    rows take the variants too (the verify's GDN layers gdn_decode_steps'), no default Triton op of a row-dependent
+    plan is left."""
+    from onegraph.checkpoint.load import load_model
+    from onegraph.custom_ops import _registry
+    from onegraph.export.entry import graph_spec
+    from onegraph.export.trace import trace
+    _, model, _ = load_model("tiny", "float32", DEVICE, mtp=True)
+    spec = graph_spec(model, "spec", 2, 64, torch.float32, 2)
+    _, hist = trace(model, spec, "cuda", batch_invariant=True) if CUDA else _trace_as_cuda(model, spec)
+    names = {n for n in hist if n.startswith("onegraph::")}
+    for op in ("linear", "fused_moe", "attention_decode", "sample", "gdn_decode_steps"):
+        assert f"onegraph::{op}_invariant_triton" in names and f"onegraph::{op}_triton" not in names, names
+    variant = {f"onegraph::{op}_triton" for op in _registry.BATCH_VARIANT} | \
+        {f"onegraph::{op}_triton" for op, how in _registry.LOWERINGS if how == _registry.INVARIANT}
+    assert not variant & names, variant & names
+
+
 def _trace_as_cuda(model, spec):
     """export/trace.py's steps with the CUDA decomposition table on CPU tensors (as tests/test_triton_model.py)."""
     from onegraph.custom_ops import decompositions
@@ -357,7 +400,7 @@ def _trace_as_cuda(model, spec):
     from onegraph.export.inplace_kv import fold_kv_writes
     from onegraph.export.trace import check_lowered
     with torch.no_grad():
-        ep = torch.export.export(entry_module(model, "decode"), example_inputs(spec, DEVICE),
+        ep = torch.export.export(entry_module(model, spec.kind, spec.k), example_inputs(spec, DEVICE),
                                  dynamic_shapes=dynamic_shapes(spec), strict=False)
         ep = ep.run_decompositions(decompositions("cuda", "auto", batch_invariant=True))
     fold_state_writes(ep)

@@ -38,6 +38,7 @@ plan, whatever the batch (docs/design.md, "Batch invariance"):
   attention_decode_invariant.py  the one-row split count
   sample_invariant.py  the one-row vocabulary chunks
   gdn_decode_step_norm_invariant.py  the one-row V tile (and its in-place twin)
+  gdn_decode_steps_invariant.py  the same for a speculative verify's GDN layer
 
 Without triton installed nothing is registered (AVAILABLE is False, IMPORT_ERROR says why) and the
 registry fails closed for every op whose CUDA lowering is "triton". This guarded import is the only
@@ -57,4 +58,5 @@ else:
                    gdn_prefill, linear, linear_fp8, linear_w8a8, norms, qk_norm_rope, rope, sample)
     from . import (add_rms_norm_linear_fp8_invariant, add_rms_norm_linear_invariant,  # noqa: F401
                    attention_decode_invariant, fused_moe_fp8_invariant, fused_moe_invariant,
-                   gdn_decode_step_norm_invariant, linear_fp8_invariant, linear_invariant, sample_invariant)
+                   gdn_decode_step_norm_invariant, gdn_decode_steps_invariant, linear_fp8_invariant,
+                   linear_invariant, sample_invariant)

@@ -94,12 +94,10 @@ def _gdn_steps_kernel(
                  + offs_v[None, :] * s_nr_v, S, mask=m2)
 
 
-@triton_op("onegraph::gdn_decode_steps_triton", mutates_args=())
-def gdn_decode_steps_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_state: torch.Tensor,
-                            rec_state: torch.Tensor, slots: torch.Tensor, conv_weight: torch.Tensor,
-                            A_log: torch.Tensor, dt_bias: torch.Tensor,
-                            num_k_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _validate(qkv, a, b, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, num_k_heads)
+def run(qkv, a, b, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, num_k_heads: int,
+        plan_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The launch; plan_rows: the batch the V tile is chosen for (default B; 1 in the batch-invariant lowering,
+    gdn_decode_steps_invariant.py: the V tile sets the order of the sums over K)."""
     B, T, C = qkv.shape
     _, HV, K, V = rec_state.shape
     W = conv_weight.shape[1]
@@ -107,7 +105,7 @@ def gdn_decode_steps_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     conv_after = conv_state.new_empty((T, B, C, W - 1))
     rec_after = rec_state.new_empty((T, B, HV, K, V))
     # the V tile of gdn_decode_step at the same rows: each position's sums over K in the chain's order
-    BK, BV = next_pow2(K), block_v(B, HV, V)
+    BK, BV = next_pow2(K), block_v(B if plan_rows is None else plan_rows, HV, V)
     launch(_gdn_steps_kernel, (B, HV, triton.cdiv(V, BV)),
            qkv, a, b, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, out, conv_after, rec_after,
            *qkv.stride(), *a.stride(), *b.stride(), *conv_state.stride(), *rec_state.stride(),
@@ -116,6 +114,15 @@ def gdn_decode_steps_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
            T=T, HK=num_k_heads, K=K, V=V, REP=HV // num_k_heads, W=W, WP=next_pow2(W), BK=BK, BV=BV,
            num_warps=4 if BK * BV <= 4096 else 8)
     return out, conv_after, rec_after
+
+
+@triton_op("onegraph::gdn_decode_steps_triton", mutates_args=())
+def gdn_decode_steps_triton(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_state: torch.Tensor,
+                            rec_state: torch.Tensor, slots: torch.Tensor, conv_weight: torch.Tensor,
+                            A_log: torch.Tensor, dt_bias: torch.Tensor,
+                            num_k_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _validate(qkv, a, b, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, num_k_heads)
+    return run(qkv, a, b, conv_state, rec_state, slots, conv_weight, A_log, dt_bias, num_k_heads)
 
 
 _registry.register_lowering("gdn_decode_steps", "triton", torch.ops.onegraph.gdn_decode_steps_triton.default)
