@@ -57,25 +57,28 @@ def cases(B: int, fp8: bool = False):
         return (rand(B, 248320, scale=3.0), torch.full((B,), 0.7, **f), torch.zeros(B, dtype=torch.int64, **f),
                 torch.full((B,), 0.9, **f), torch.arange(B, **f), torch.full((B,), pos, **f))
 
-    if fp8:
-        return fp8_cases(B, ops, router, attn, gdn, sample)
-    return [("gdn_in_proj linear [12352, 2048]", 30, ops.linear_triton, ops.linear_invariant_triton, lin(12352, 2048)),
-            ("attn_qkv linear [9216, 2048]", 10, ops.linear_triton, ops.linear_invariant_triton, lin(9216, 2048)),
-            ("out/o_proj linear [2048, 4096]", 40, ops.linear_triton, ops.linear_invariant_triton, lin(2048, 4096)),
-            ("router add_rms_norm_linear [257, 2048]", 40, ops.add_rms_norm_linear_triton,
+    rest = [("router add_rms_norm_linear [257, 2048]", 40, ops.add_rms_norm_linear_triton,
              ops.add_rms_norm_linear_invariant_triton, router),
-            ("fused_moe 256 experts top-8", 40, ops.fused_moe_triton, ops.fused_moe_invariant_triton, moe),
             ("gdn_decode_step_norm", 30, ops.gdn_decode_step_norm_triton, ops.gdn_decode_step_norm_invariant_triton,
              gdn),
             ("attention_decode at 1024 keys", 10, ops.attention_decode_triton, ops.attention_decode_invariant_triton,
              attn),
-            ("lm_head linear [248320, 2048]", 1, ops.linear_triton, ops.linear_invariant_triton, lin(248320, 2048)),
             ("sample top-p 0.9", 1, ops.sample_triton, ops.sample_invariant_triton, sample)]
+    if fp8:
+        return fp8_cases(B, ops) + rest
+    return [("gdn_in_proj linear [12352, 2048]", 30, ops.linear_triton, ops.linear_invariant_triton, lin(12352, 2048)),
+            ("attn_qkv linear [9216, 2048]", 10, ops.linear_triton, ops.linear_invariant_triton, lin(9216, 2048)),
+            ("out/o_proj linear [2048, 4096]", 40, ops.linear_triton, ops.linear_invariant_triton, lin(2048, 4096)),
+            ("fused_moe 256 experts top-8", 40, ops.fused_moe_triton, ops.fused_moe_invariant_triton, moe),
+            ("lm_head linear [248320, 2048]", 1, ops.linear_triton, ops.linear_invariant_triton,
+             lin(248320, 2048))] + rest
 
 
-def fp8_cases(B, ops, router, attn, gdn, sample):
+def fp8_cases(B, ops):
+    """The block-FP8 model's projections (the GDN one with its float [b; a] tail), experts and lm_head."""
     from onegraph.checkpoint.quant import quantize
     H, E, K_, I = 2048, 256, 8, 512
+    lin8, inv8 = ops.linear_fp8_triton, ops.linear_fp8_invariant_triton
 
     def lin(N, K, tail=0):
         def make():
@@ -88,22 +91,11 @@ def fp8_cases(B, ops, router, attn, gdn, sample):
                                     rand(I, H, scale=H ** -0.5), rand(I, H, scale=H ** -0.5), rand(H, I, scale=I ** -0.5))]
         return (rand(B, H), rand(B, E + 1), *[t for w in ws for t in w], K_)
 
-    return [("gdn_in_proj linear_fp8 [12288, 2048] + tail 64", 30, ops.linear_fp8_triton, ops.linear_fp8_invariant_triton,
-             lin(12288, 2048, 64)),
-            ("attn_qkv linear_fp8 [9216, 2048]", 10, ops.linear_fp8_triton, ops.linear_fp8_invariant_triton,
-             lin(9216, 2048)),
-            ("out/o_proj linear_fp8 [2048, 4096]", 40, ops.linear_fp8_triton, ops.linear_fp8_invariant_triton,
-             lin(2048, 4096)),
-            ("router add_rms_norm_linear [257, 2048]", 40, ops.add_rms_norm_linear_triton,
-             ops.add_rms_norm_linear_invariant_triton, router),
+    return [("gdn_in_proj linear_fp8 [12288, 2048] + tail 64", 30, lin8, inv8, lin(12288, 2048, 64)),
+            ("attn_qkv linear_fp8 [9216, 2048]", 10, lin8, inv8, lin(9216, 2048)),
+            ("out/o_proj linear_fp8 [2048, 4096]", 40, lin8, inv8, lin(2048, 4096)),
             ("fused_moe_fp8 256 experts top-8", 40, ops.fused_moe_fp8_triton, ops.fused_moe_fp8_invariant_triton, moe),
-            ("gdn_decode_step_norm", 30, ops.gdn_decode_step_norm_triton, ops.gdn_decode_step_norm_invariant_triton,
-             gdn),
-            ("attention_decode at 1024 keys", 10, ops.attention_decode_triton, ops.attention_decode_invariant_triton,
-             attn),
-            ("lm_head linear_fp8 [248320, 2048]", 1, ops.linear_fp8_triton, ops.linear_fp8_invariant_triton,
-             lin(248320, 2048)),
-            ("sample top-p 0.9", 1, ops.sample_triton, ops.sample_invariant_triton, sample)]
+            ("lm_head linear_fp8 [248320, 2048]", 1, lin8, inv8, lin(248320, 2048))]
 
 
 def time_us(op, inputs) -> float:
