@@ -2,7 +2,8 @@
 default Triton lowering against its batch-invariant variant, at batches 1, 8 and 64, each timed as the mean of
 CUDA-graph replays of CALLS calls (2 weight copies alternated, so the big weights are not all L2-resident), and
 summed per decode step by how many times the 40-layer model calls it (30 GDN layers, 10 attention layers, 40 MoE
-blocks, one lm_head and one sample). A sum of isolated kernels, not a replayed step: the JSON says so.
+blocks, one lm_head; the sampler has one plan at every batch, so no variant). A sum of isolated kernels, not a
+replayed step: the JSON says so.
 
     python -m onegraph.scripts.bench_batch_invariant --out OUT.json [--batches 1,8,64] [--quant fp8]
 """
@@ -52,18 +53,12 @@ def cases(B: int, fp8: bool = False):
                 rand(B + 1, HV, K, V, scale=0.5, dtype=torch.float32), torch.arange(B, device="cuda"),
                 rand(C, W, scale=0.5), rand(HV, scale=0.5), rand(HV), rand(V), HK, 1e-6)
 
-    def sample():
-        f = dict(device="cuda")
-        return (rand(B, 248320, scale=3.0), torch.full((B,), 0.7, **f), torch.zeros(B, dtype=torch.int64, **f),
-                torch.full((B,), 0.9, **f), torch.arange(B, **f), torch.full((B,), pos, **f))
-
     rest = [("router add_rms_norm_linear [257, 2048]", 40, ops.add_rms_norm_linear_triton,
              ops.add_rms_norm_linear_invariant_triton, router),
             ("gdn_decode_step_norm", 30, ops.gdn_decode_step_norm_triton, ops.gdn_decode_step_norm_invariant_triton,
              gdn),
             ("attention_decode at 1024 keys", 10, ops.attention_decode_triton, ops.attention_decode_invariant_triton,
-             attn),
-            ("sample top-p 0.9", 1, ops.sample_triton, ops.sample_invariant_triton, sample)]
+             attn)]
     if fp8:
         return fp8_cases(B, ops) + rest
     return [("gdn_in_proj linear [12352, 2048]", 30, ops.linear_triton, ops.linear_invariant_triton, lin(12352, 2048)),

@@ -26,16 +26,13 @@ import onegraph.custom_ops.triton  # noqa: F401  (registers the triton ops)
 from onegraph.checkpoint.quant import quantize
 from onegraph.custom_ops.triton import fused_moe_fp8 as fp8mod
 from onegraph.scripts.bench_ops import MOE, rand, time_graph
-from onegraph.scripts.tune_moe import grouped_sweep, set_tiles
+from onegraph.scripts.tune_moe import grouped_sweep
 
 
 
-def set_fp8_tiles(B, swiglu, down):
-    """fused_moe_fp8.tiles: its own ONE at one token, fused_moe's decode tiles above."""
-    if B == 1:
-        fp8mod.ONE = (tuple(swiglu), tuple(down))
-    else:
-        set_tiles(B, tuple(swiglu) + tuple(down))
+def set_fp8_tiles(swiglu, down):
+    """fused_moe_fp8.tiles (ONE, every decode token count)."""
+    fp8mod.ONE = (tuple(swiglu), tuple(down))
 
 
 def per_call(fn, cases, reps=10):
@@ -77,8 +74,8 @@ def main(argv=None) -> int:
         us_bf = per_call(ops.fused_moe_triton, bf_cases)
         row = {"B": B, "distinct_experts": distinct, "bf16_us": round(us_bf, 2),
                "bf16_GBps": round(2 * nbytes / us_bf / 1e3, 1), "fp8_vs_bf16_rel_l2": rel, "fp8": []}
-        # decode tiles (swiglu BI, BH, warps, down BH, BI, warps), shared with the bf16 kernels (fused_moe.decode_tiles)
-        base = fp8mod.tiles(B)
+        # decode tiles (swiglu BI, BH, warps, down BH, BI, warps): fused_moe_fp8.ONE, every decode token count
+        base = fp8mod.tiles()
         variants = [None]
         if B * k <= E and B == 1 and a.wide:              # every swiglu tile at the current down tile, then down
             variants += [(sw, base[1]) for sw in itertools.product((2, 4, 8, 16, 32), (256, 512, 1024, 2048), (2, 4, 8))
@@ -96,7 +93,7 @@ def main(argv=None) -> int:
                          ((4, 512, 4), (4, 256, 4))]
         for v in variants:
             swiglu, down = v or base
-            set_fp8_tiles(B, swiglu, down)
+            set_fp8_tiles(swiglu, down)
             try:
                 us = per_call(ops.fused_moe_fp8_triton, f8_cases)
                 row["fp8"].append({"tiles": {"swiglu": swiglu, "down": down}, "us": round(us, 2),
@@ -105,14 +102,14 @@ def main(argv=None) -> int:
                 row["fp8"].append({"tiles": {"swiglu": swiglu, "down": down},
                                    "error": f"{type(e).__name__}: {str(e)[:200]}"})
             finally:
-                set_fp8_tiles(B, *base)
+                set_fp8_tiles(*base)
         if B * k > E and a.grouped != "none":         # the grouped kernels' (BN, BK, warps, stages, swap), BM_MIN
             from onegraph.custom_ops.triton import fused_moe_fp8_prefill as pre
             row["fp8"] += grouped_sweep(pre, ops.fused_moe_fp8_triton, f8_cases, B * k, E, nbytes, a.grouped, per_call)
         if B == 1:                                        # the best tiles again, routed by _route_kernel first
             from onegraph.custom_ops.triton import fused_moe as fm
             for r in sorted((r for r in row["fp8"] if "us" in r), key=lambda r: r["us"])[:3]:
-                set_fp8_tiles(B, r["tiles"]["swiglu"], r["tiles"]["down"])
+                set_fp8_tiles(r["tiles"]["swiglu"], r["tiles"]["down"])
                 fm.PREROUTED = True
                 try:
                     us = per_call(ops.fused_moe_fp8_triton, f8_cases)
@@ -120,7 +117,7 @@ def main(argv=None) -> int:
                                        "GBps": round(nbytes / us / 1e3, 1)})
                 finally:
                     fm.PREROUTED = None
-                    set_fp8_tiles(B, *base)
+                    set_fp8_tiles(*base)
         best = min((r for r in row["fp8"] if "us" in r), key=lambda r: r["us"])
         print(f"B={B:3d}  distinct experts {distinct:5.1f}  bf16 {us_bf:7.2f} us ({row['bf16_GBps']} GB/s)  "
               f"fp8 default {row['fp8'][0].get('us')} us ({row['fp8'][0].get('GBps')} GB/s)  "

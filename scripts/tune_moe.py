@@ -1,6 +1,7 @@
 """Tile sweep for the fused_moe decode kernels (custom_ops/triton/fused_moe.py) at the Qwen3.5-35B-A3B
-shape on a CUDA device: µs per call for each (BI1, BH1, W1) of the SwiGLU kernel and (BH2, BI2, W2) of
-the down kernel (at one token: SWIGLU_ONE and DOWN_ONE), one kernel's tiles varied at a time.
+shape on a CUDA device: µs per call for each (BI, BH, warps) of the SwiGLU kernel and (BH, BI, warps) of the
+down kernel (fused_moe.SWIGLU_ONE and DOWN_ONE, the tiles of every decode token count), one kernel's tiles varied
+at a time.
 
     python -m onegraph.scripts.tune_moe --batches 1,8 --out moe_tiles.json
     python -m onegraph.scripts.tune_moe --batches 1 --routing-prefix --out moe_routing_prefix.json
@@ -53,14 +54,11 @@ def time_copies(fn, cases, reps: int = 10) -> float:
     return time_graph(lambda: [fn(*c) for c in cases], (), 1, reps, 1) / len(cases)
 
 
-def set_tiles(B: int, tiles) -> None:
-    """fused_moe.decode_tiles (also fused_moe_fp8's) reads SWIGLU_ONE / DOWN_ONE at one token and BI1.. above it:
-    tiles = (swiglu BI, BH, warps, down BH, BI, warps)."""
+def set_tiles(tiles) -> None:
+    """fused_moe.decode_tiles reads SWIGLU_ONE / DOWN_ONE at every token count: tiles = (swiglu BI, BH, warps,
+    down BH, BI, warps)."""
     from onegraph.custom_ops.triton import fused_moe as mod
-    if B == 1:
-        mod.SWIGLU_ONE, mod.DOWN_ONE = tuple(tiles[:3]), tuple(tiles[3:])
-    else:
-        mod.BI1, mod.BH1, mod.W1, mod.BH2, mod.BI2, mod.W2 = tiles
+    mod.SWIGLU_ONE, mod.DOWN_ONE = tuple(tiles[:3]), tuple(tiles[3:])
 
 
 def forced_logits(B: int, U: int, E: int, k: int, g) -> torch.Tensor:
@@ -249,7 +247,7 @@ def main(argv=None) -> int:
     weights = [(rand(g, E, H, scale=H ** -0.5), rand(g, E, 2 * I, H, scale=H ** -0.5), rand(g, E, H, I, scale=I ** -0.5),
                 rand(g, Is, H, scale=H ** -0.5), rand(g, Is, H, scale=H ** -0.5), rand(g, H, Is, scale=Is ** -0.5),
                 rand(g, 1, H, scale=H ** -0.5)) for _ in range(args.copies)]
-    base = {"many": (mod.BI1, mod.BH1, mod.W1, mod.BH2, mod.BI2, mod.W2), "one": mod.SWIGLU_ONE + mod.DOWN_ONE}
+    base = mod.SWIGLU_ONE + mod.DOWN_ONE
     if args.grouped:
         res = {"command": "python -m onegraph.scripts.tune_moe " + " ".join(sys.argv[1:] if argv is None else argv),
                "device": torch.cuda.get_device_name(), "copies": args.copies,
@@ -296,10 +294,10 @@ def main(argv=None) -> int:
                                 "model_routes_first": mod.route_first(B)})
             print(json.dumps(res["rows"][-1]), flush=True)
             continue
-        start = base["one" if B == 1 else "many"]
+        start = base
         for which, grid in (("swiglu", k1), ("down", k2)):
             for cfg in grid:
-                set_tiles(B, cfg + start[3:] if which == "swiglu" else start[:3] + cfg)
+                set_tiles(cfg + start[3:] if which == "swiglu" else start[:3] + cfg)
                 try:
                     us = time_copies(fn, cases)
                 except Exception as e:  # a config that does not compile: record and go on
@@ -307,7 +305,7 @@ def main(argv=None) -> int:
                     print(which, cfg, type(e).__name__, str(e)[:200], file=sys.stderr)
                 res["rows"].append({"B": B, "kernel": which, "cfg": cfg, "us": us})
                 print(json.dumps(res["rows"][-1]), flush=True)
-        set_tiles(B, start)
+        set_tiles(start)
     if args.routing_prefix:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -106,7 +106,8 @@ def test_reference_is_fused_moe_on_the_dequantized_weights():
                                                        (*SHAPES[2], False), (*SHAPES[2], True)])
 def test_kernels_equal_the_bf16_kernels_on_dequantized_weights(T, H, E, I, Is, top_k, fp32_out, monkeypatch):
     """Power-of-two block scales: the FP8 kernels compute exactly what fused_moe's bf16 kernels compute on the
-    dequantized weights (decode: same tiles and summation order; prefill: the per-K-tile scale is exact), so
+    dequantized weights (decode: same tiles, the SwiGLU's scales applied to 128-column block sums, exact for a power
+    of two; prefill: the per-K-tile scale is exact), so
     a scale from a wrong block shows as a large difference. Interpreter: bit for bit; GPU: tensor-core
     accumulation order may flip a rounding. At one token the FP8 kernels have tiles of their own: the bf16
     kernels run with those here, and with the FP8 grouped kernels' tile table (a swapped tile sums in another order)."""

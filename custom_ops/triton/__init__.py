@@ -36,7 +36,6 @@ plan, whatever the batch (docs/design.md, "Batch invariance"):
   fused_moe_fp8_invariant.py  the one-token FP8 decode kernels for every token count
   fused_moe_invariant.py  the one-token decode kernels for every token count (no grouped GEMM)
   attention_decode_invariant.py  the one-row split count
-  sample_invariant.py  the one-row vocabulary chunks
   gdn_decode_step_norm_invariant.py  the one-row V tile (and its in-place twin)
   gdn_decode_steps_invariant.py  the same for a speculative verify's GDN layer
 
@@ -59,4 +58,4 @@ else:
     from . import (add_rms_norm_linear_fp8_invariant, add_rms_norm_linear_invariant,  # noqa: F401
                    attention_decode_invariant, fused_moe_fp8_invariant, fused_moe_invariant,
                    gdn_decode_step_norm_invariant, gdn_decode_steps_invariant, linear_fp8_invariant,
-                   linear_invariant, sample_invariant)
+                   linear_invariant)

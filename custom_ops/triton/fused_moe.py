@@ -255,21 +255,17 @@ def _moe_down_kernel(logits, down, sh_down, act, act_sh, route_w, route_i, y,
     tl.store(y + t * s_y_t + rows * s_y_h, to_dt(res, RT), mask=mrow)
 
 
-# Tile sizes and warps: kernel 1 reads [BI1, BH1] tiles of gate and of up per step, kernel 2 [k, BH2, BI2]
-# tiles of down. From `python -m onegraph.scripts.tune_moe --batches 1 --copies 6` on the H200 (35B shape, B = 1,
-# each call on its own weights, benchmarks/h200_moe_tiles.json, a down kernel without the shared expert and the
-# routing of kernel 1): swiglu (4, 256, 4); down (4, 256, 2) 28.9 us for the whole op and (4, 128, 4) 29.3. The
-# down kernel spills at (4, 256, 2) (255 registers, 16 bytes at sm_90; compile_check), so it takes (4, 128, 4):
-# 78 registers, no spills. Re-tune on the GPU.
-BI1, BH1, W1 = 4, 256, 4
-BH2, BI2, W2 = 4, 128, 4
-# One token (the batch-1 decode step): every program loads its rows in as few tiles as fit its registers, so all
-# of a program's bytes are in flight at once behind one latency (a [BI, BH] loop waits one DRAM latency per
-# step: these loads do not feed a tl.dot, and the compiler does not pipeline them). H200, each call on its own
-# weights and router logits, 12 calls per replayed CUDA graph (benchmarks/h200_moe_bs1_tiles.json): SwiGLU
-# (2, 2048, 2) 12.4 us where (4, 256, 4) took 15.5 (37.7 MB: 71 % of copy bandwidth against 57 %; the
-# in-kernel routing is off its critical path: routed in, the same tile takes 11.7); down (1, 256, 4) 7.4 us
-# against 8.3 (18.9 MB).
+# Tiles ((BI, BH, warps) of kernel 1, (BH, BI, warps) of kernel 2), the same at every decode T: every program
+# loads its rows in as few tiles as fit its registers, so all of a program's bytes are in flight at once behind one
+# latency (a [BI, BH] loop waits one DRAM latency per step: these loads do not feed a tl.dot, and the compiler does
+# not pipeline them). H200, each call on its own weights and router logits, 12 calls per replayed CUDA graph
+# (benchmarks/h200_moe_bs1_tiles.json): SwiGLU (2, 2048, 2) 12.4 us where (4, 256, 4) took 15.5 (37.7 MB: 71 % of
+# copy bandwidth against 57 %; the in-kernel routing is off its critical path: routed in, the same tile takes 11.7);
+# down (1, 256, 4) 7.4 us against 8.3 (18.9 MB). Above one token they beat the looped (4, 256, 4) / (4, 128, 4)
+# tiles the decode buckets had (H200, the whole op, 2 weight copies alternated, routed first, `python -m
+# onegraph.scripts.bench_batch_invariant`, benchmarks/h200_batch_invariant_ops.json): T = 2 / 4 / 8 / 16 / 32
+# 33.2 / 55.2 / 94.7 / 165.4 / 301.6 us against 40.5 / 64.4 / 105.4 / 183.9 / 327.3. One plan at every T also makes a
+# token's bits the same in every decode bucket up to E / k tokens (docs/design.md, "Batch invariance").
 SWIGLU_ONE = (2, 2048, 2)
 DOWN_ONE = (1, 256, 4)
 # Who finds a pair's expert. In-kernel, each of the SwiGLU kernel's cdiv(I, BI) programs of a routed pair repeats
@@ -283,11 +279,10 @@ ROUTE_FIRST_FROM = 2
 PREROUTED: bool | None = None
 
 
-def decode_tiles(T) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """((BI, BH, warps) of the SwiGLU kernel, (BH, BI, warps) of the down kernel) for a decode call over T tokens;
-    fused_moe_fp8's decode kernels take the same above one token."""
-    # bool(): under a symbolic batch (scripts/bench_symbolic_batch.py) T == 1 is a SymBool, guarded on the example
-    return (SWIGLU_ONE, DOWN_ONE) if bool(T == 1) else ((BI1, BH1, W1), (BH2, BI2, W2))
+def decode_tiles() -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """((BI, BH, warps) of the SwiGLU kernel, (BH, BI, warps) of the down kernel) for a decode call, whatever
+    its token count (the tiles' comment)."""
+    return SWIGLU_ONE, DOWN_ONE
 
 
 def route_first(T: int) -> bool:
@@ -320,7 +315,7 @@ def fused_moe_triton(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tenso
         w, idx = route_triton(logits[:, :E], top_k)                          # [T, k] x.dtype, int64
         return fused_moe_prefill.fused_moe_prefill(x, w, idx, gate_up, down, shared_gate, shared_up,
                                                    shared_down, logits, out_dtype)
-    return decode(x, logits, gate_up, down, shared_gate, shared_up, shared_down, top_k, out_dtype, decode_tiles(T),
+    return decode(x, logits, gate_up, down, shared_gate, shared_up, shared_down, top_k, out_dtype, decode_tiles(),
                   route_first(T))
 
 

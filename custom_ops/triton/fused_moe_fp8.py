@@ -30,29 +30,36 @@ from ..fused_moe_fp8 import _validate
 from ..linear_fp8 import BLOCK
 from . import fused_moe_fp8_prefill
 from ._common import launch, next_pow2, rnd, to_dt
-from .fused_moe import _route_nth, _route_row, decode_tiles, route_buffers, route_triton
+from .fused_moe import _route_nth, _route_row, route_buffers, route_triton
 
 
 @triton.jit
 def _swiglu_rows_fp8(x_row, sx_h, wg, sg_r, sg_h, wu, su_r, su_h, sc_g, sc_u, rows, mrow, H: tl.constexpr,
                      DT: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr, SB: tl.constexpr):
     """silu(x . wg[rows]) * (x . wu[rows]) -> [BI] fp32, rounded where the reference rounds; wg / wu e4m3,
-    sc_g / sc_u the scale-table rows of the block row holding `rows` (fp32, contiguous along H blocks)."""
-    acc_g = tl.zeros([BI, BH], tl.float32)
-    acc_u = tl.zeros([BI, BH], tl.float32)
+    sc_g / sc_u the scale-table rows of the block row holding `rows` (fp32, contiguous along H blocks).
+    A step's [BI, BH] weight tile is taken as [BI, BH / SB, SB]: each 128-column block's products with x are summed
+    first and that block's sum multiplied by its one scale, so the scales cost a multiply per block, not per column
+    (scripts/bench_moe_fp8.py; BH a multiple of SB)."""
+    NB: tl.constexpr = BH // SB
+    b = tl.arange(0, NB)
+    c = tl.arange(0, SB)
+    acc_g = tl.zeros([BI], tl.float32)
+    acc_u = tl.zeros([BI], tl.float32)
     for h0 in range(0, H, BH):
-        offs_h = h0 + tl.arange(0, BH)
+        offs_h = h0 + b[:, None] * SB + c[None, :]                           # [NB, SB]
         mh = offs_h < H
         xv = tl.load(x_row + offs_h * sx_h, mask=mh, other=0.0).to(tl.float32)
-        xg = xv * tl.load(sc_g + offs_h // SB, mask=mh, other=0.0)          # x[h] * s[block row, h // 128]
-        xu = xv * tl.load(sc_u + offs_h // SB, mask=mh, other=0.0)
-        m2 = mrow[:, None] & mh[None, :]
-        gw = tl.load(wg + rows[:, None] * sg_r + offs_h[None, :] * sg_h, mask=m2, other=0.0)
-        uw = tl.load(wu + rows[:, None] * su_r + offs_h[None, :] * su_h, mask=m2, other=0.0)
-        acc_g += gw.to(tl.float32) * xg[None, :]
-        acc_u += uw.to(tl.float32) * xu[None, :]
-    g = rnd(tl.sum(acc_g, axis=1), DT)
-    u = rnd(tl.sum(acc_u, axis=1), DT)
+        mb = h0 + b * SB < H
+        s_g = tl.load(sc_g + h0 // SB + b, mask=mb, other=0.0)               # [NB]: s[block row, column block]
+        s_u = tl.load(sc_u + h0 // SB + b, mask=mb, other=0.0)
+        m3 = mrow[:, None, None] & mh[None, :, :]
+        gw = tl.load(wg + rows[:, None, None] * sg_r + offs_h[None, :, :] * sg_h, mask=m3, other=0.0)
+        uw = tl.load(wu + rows[:, None, None] * su_r + offs_h[None, :, :] * su_h, mask=m3, other=0.0)
+        acc_g += tl.sum(tl.sum(gw.to(tl.float32) * xv[None, :, :], axis=2) * s_g[None, :], axis=1)
+        acc_u += tl.sum(tl.sum(uw.to(tl.float32) * xv[None, :, :], axis=2) * s_u[None, :], axis=1)
+    g = rnd(acc_g, DT)
+    u = rnd(acc_u, DT)
     return rnd(rnd(g * tl.sigmoid(g), DT) * u, DT)
 
 
@@ -147,31 +154,31 @@ def _moe_fp8_down_kernel(logits, down, d_s, sh_down, sd_s, act, act_sh, route_w,
 
 
 
-# Tiles ((BI1, BH1, warps) of kernel 1, (BH2, BI2, warps) of kernel 2): kernel 1 reads [BI1, BH1] e4m3 tiles of
-# gate and up per step, kernel 2 [k, BH2, BI2] tiles of down. BI1 and BH2 (weight rows per program) must divide
-# 128: one block row per program. Above one token fused_moe's (fused_moe.decode_tiles). At one token the best of
-# 20 on the H200, each call on its own weights, 12 calls per replayed CUDA graph (`python -m
-# onegraph.scripts.bench_moe_fp8 --batches 1 --copies 12`, benchmarks/h200_moe_fp8_bs1_tiles.json): 16.2 us per call
-# (27.5 MB: 1.75 TB/s) where (2, 2048, 2) / (2, 512, 4) took 16.7 and the bf16 op 20.4; routing first in its own
-# kernel is slower (18.2).
-ONE = ((4, 2048, 4), (2, 512, 4))
+# Tiles ((BI1, BH1, warps) of kernel 1, (BH2, BI2, warps) of kernel 2), the same at every decode T (as
+# fused_moe.decode_tiles): kernel 1 reads [BI1, BH1] e4m3 tiles of gate and up per step, kernel 2 [k, BH2, BI2]
+# tiles of down. BI1 and BH2 (weight rows per program) must divide 128 (one block row per program), BH1 be a
+# multiple of it. H200, one token, each call on its own weights, 12 calls per replayed CUDA graph, routing
+# precomputed (`python -m onegraph.scripts.bench_moe_fp8 --batches 1 --copies 12`; the sweep before the block sums:
+# benchmarks/h200_moe_fp8_bs1_sweep.json): kernel 1 with the per-block sums 7.73 us at (2, 2048, 2) against 9.28
+# for the best tile of the per-column scale form; kernel 2 6.77 at (4, 512, 4) against 6.86 at (2, 512, 4). A
+# minimal kernel reading the same bytes with no scales and no roundings took 7.20 / 5.57 (the same sweep).
+ONE = ((2, 2048, 2), (4, 512, 4))
 
 
-def tiles(T) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    # bool(): under a symbolic batch T == 1 is a SymBool, guarded on the example (as fused_moe.decode_tiles)
-    return ONE if bool(T == 1) else decode_tiles(T)
+def tiles() -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    return ONE
 
 
 def _launch_decode(x, logits, gate_up, gate_up_scale, down, down_scale, shared_gate, shared_gate_scale,
                    shared_up, shared_up_scale, shared_down, shared_down_scale, top_k, out_dtype, plan=None):
-    """The two decode kernels over T tokens; plan: the tiles, as tiles() returns them (default tiles(T);
-    fused_moe_fp8_invariant.py passes tiles(1) at every T)."""
+    """The two decode kernels over T tokens; plan: the tiles, as tiles() returns them (benchmarks may pass others)."""
     T, H = x.shape
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
     Is = shared_gate.shape[0]
-    (bi1, bh1, w1), (bh2, bi2, w2) = plan or tiles(T)
-    if BLOCK % bi1 or BLOCK % bh2:
-        raise ValueError(f"fused_moe_fp8: weight-row tiles must divide {BLOCK}, got {bi1} and {bh2}")
+    (bi1, bh1, w1), (bh2, bi2, w2) = plan or tiles()
+    if BLOCK % bi1 or BLOCK % bh2 or bh1 % BLOCK:
+        raise ValueError(f"fused_moe_fp8: weight-row tiles must divide {BLOCK} and the SwiGLU column tile be a multiple "
+                         f"of it, got {bi1}, {bh2} and {bh1}")
     # the scale tables are read as contiguous rows of block columns (a few KiB; contiguous already when loaded)
     gus, ds, sgs, sus, sds = (s.contiguous() for s in (gate_up_scale, down_scale, shared_gate_scale,
                                                        shared_up_scale, shared_down_scale))
@@ -181,7 +188,7 @@ def _launch_decode(x, logits, gate_up, gate_up_scale, down, down_scale, shared_g
     route_w, route_i, routed = route_buffers(logits, T, E, top_k)              # kernel 1 -> kernel 2
     y = torch.empty((T, H), dtype=out_dtype, device=x.device)
     BI = min(bi1, next_pow2(max(I, Is)))
-    BH = min(bh1, next_pow2(H))
+    BH = min(bh1, max(BLOCK, next_pow2(H)))       # whole 128-column blocks (masked past H)
     route = dict(E=E, BE=next_pow2(E), TOPK=top_k, BKK=next_pow2(top_k), SB=BLOCK)
     launch(_moe_fp8_swiglu_kernel, (P + T, triton.cdiv(max(I, Is), BI)),
            x, logits, gate_up, gus, shared_gate, sgs, shared_up, sus, act, act_sh, route_w, route_i,

@@ -6,7 +6,7 @@ r < top_k and (mass ranked above r) < top_p (rank 0 always), and returns the kep
 largest s + gumbel(u(seed, position, token)). That is the same as: the Gumbel-max winner over
 tokens whose rank is below K' (the kept prefix), so:
 
-Kernel 1, grid (B, NSPLIT), each program a contiguous chunk of the vocabulary, in one pass:
+Kernel 1, grid (B, NSPLIT) (NSPLIT from V alone, `plan`), each program a contiguous chunk of the vocabulary, in one pass:
   - greedy: first index of the largest logit (NaN counts as largest, as torch.argmax);
   - only if T > 0: the chunk's Gumbel-max winner over all tokens, ordered by (s + g desc, s desc,
     id asc) -- the reference's argmax over ranked tokens breaks ties by rank;
@@ -43,8 +43,14 @@ from ._common import launch, next_pow2
 
 R = 64                 # exact top-R candidates per row (a kept set of up to R tokens needs no extra pass)
 BV = 1024              # vocabulary tile of kernel 1
+# Chunks per row: as many as fill the GPU at one row (~256 kernel-1 programs, 2 waves on a 132-SM H200, up to
+# MAX_SPLITS), the same at every batch: the chunks' softmax sums merge in one order whatever the batch, so a row's
+# top-p edge does not move with its neighbours (docs/design.md, "Batch invariance"). A plan chosen from B (fewer,
+# longer chunks for more rows) was no faster: 35B vocabulary, top-p 0.9 on flat logits, H200, B = 16 / 32 / 64:
+# 376 / 3,253 / 4,047 us against 353 / 3,151 / 3,795 with the one-row plan, equal at B = 1..8
+# (benchmarks/h200_batch_invariant_ops.json).
 MAX_SPLITS = 64        # kernel 2 ranks MAX_SPLITS * R candidates with one bitonic top-k
-TARGET_PROGRAMS = 256  # ~2 waves of kernel-1 programs on a 132-SM H200
+TARGET_PROGRAMS = 256
 
 
 # ---------------------------------------------------------------- shared device helpers
@@ -307,10 +313,10 @@ def _deep_pick(row, V, t, h, m_row, z, k_eff, p, s_w, s_r, BVF: tl.constexpr, R:
     return wi.to(tl.int64)
 
 
-def plan(B: int, V: int) -> tuple[int, int]:
-    """-> (NSPLIT chunks per row, NB tiles per chunk), fixed per graph shape."""
+def plan(V: int) -> tuple[int, int]:
+    """-> (NSPLIT chunks per row, NB tiles per chunk) for a V-token vocabulary, at every batch."""
     tiles = triton.cdiv(V, BV)
-    nsplit = min(MAX_SPLITS, next_pow2(triton.cdiv(TARGET_PROGRAMS, B)), next_pow2(tiles))
+    nsplit = min(MAX_SPLITS, TARGET_PROGRAMS, next_pow2(tiles))
     return nsplit, triton.cdiv(tiles, nsplit)
 
 
@@ -342,8 +348,7 @@ def run(logits, temperature, top_k, top_p, seed, position, nsplit: int, nb: int,
 def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     _validate(logits, temperature, top_k, top_p, seed, position)
-    B, V = logits.shape
-    nsplit, nb = plan(B, V)
+    nsplit, nb = plan(logits.shape[1])
     if logits.stride(1) != 1:            # the kernels index rows with unit stride (a copy, static)
         logits = logits.contiguous()
     # per-row inputs are read at ptr + b: an expanded (stride-0) tensor must become a real one
