@@ -118,8 +118,8 @@ def _check_norm_linear(M, N, K, dtype, seed):
     """h is add_rms_norm's sum exactly; normed is its norm within one rounding of the fp32 statistics (summed
     in another order: 1 ulp of the model dtype at most); y is the plain GEMV of the kernel's own normed rows,
     the same sums (same tile: at M = 1 the norm-row tile, the whole row one K tile, where the normed row is
-    multiplied from registers; triton_env.same_sums: bit for bit interpreted, within summation order compiled),
-    and so within the GEMV's bound of F.linear."""
+    multiplied from registers; from 8 rows the norm kernel's rows by the 16-row tiles; triton_env.same_sums:
+    bit for bit interpreted, within summation order compiled), and so within the GEMV's bound of F.linear."""
     from onegraph.custom_ops.add_rms_norm_linear import reference_add_rms_norm_linear
     x, res, nw, w = _norm_inputs(M, N, K, dtype, seed)
     y, normed, h = torch.ops.onegraph.add_rms_norm_linear_triton(x, res, nw, 1e-6, w)
@@ -128,23 +128,24 @@ def _check_norm_linear(M, N, K, dtype, seed):
     assert torch.equal(h, h_ref)
     ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-6
     assert ((normed.float() - normed_ref.float()).abs() <= ulp * normed_ref.float().abs() + 1e-30).all()
-    plain = lin.gemv(normed, w, cfg=lin.norm_row_tile(K) if M == 1 else None)
+    plain = lin.gemv(normed, w, cfg=lin.norm_row_tile(K) if M == 1 else None, row_tiles=M > lin.GEMV_MAX_M)
     same_sums(y, plain, normed, w)
     _check(y, normed, w)
 
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("M", [1, 2, 3, 16])
+@pytest.mark.parametrize("M", [1, 2, 3, 16, 20])     # 16, 20: the norm kernel, then the 16-row tiles
 def test_add_rms_norm_linear_matches_reference(M, dtype):
     _check_norm_linear(M, 37, 300, dtype, seed=M)     # N not a multiple of the tile, K not of BK
 
 
 @needs_triton
-def test_add_rms_norm_linear_above_the_gemv_rows_is_two_launches():
-    """Above GEMV_MAX_M rows: the add_rms_norm kernel then the aten GEMM, the reference's values."""
+def test_add_rms_norm_linear_above_the_decode_rows_is_two_launches():
+    """Above SPLIT_TO_M rows (prefill chunks): the add_rms_norm kernel then the aten GEMM, the reference's values."""
     from onegraph.custom_ops.add_rms_norm_linear import reference_add_rms_norm_linear
-    x, res, nw, w = _norm_inputs(lin.GEMV_MAX_M + 1, 24, 40, torch.float32, seed=5)
+    from onegraph.custom_ops.triton.add_rms_norm_linear import SPLIT_TO_M
+    x, res, nw, w = _norm_inputs(SPLIT_TO_M + 1, 24, 40, torch.float32, seed=5)
     got = torch.ops.onegraph.add_rms_norm_linear_triton(x, res, nw, 1e-6, w)
     ref = reference_add_rms_norm_linear(x, res, nw, 1e-6, w)
     assert torch.equal(got[2], ref[2]) and torch.allclose(got[1], ref[1], rtol=1e-6)
