@@ -3,12 +3,13 @@
 
 Same grids, routing and roundings as the bf16 kernels; only the weight loads differ. A weight tile is loaded
 as e4m3 (half the bytes of bf16: decode reads each selected expert once, so the bytes are the time) and
-upcast to fp32 in registers (exact); the 128x128 block scale is applied to the activation it multiplies,
-not to the weight: a program's weight rows all lie in one 128-row block (its row tile divides 128), so for
-every column h the scale s[row block, h // 128] is one value, and x[h] * s is formed once per column tile
-([BH] or [k, BI] multiplies) where scaling the weights would take one per weight. The per-weight work stays
-the bf16 kernel's: one convert, one FMA (fp32 accumulation). x . (q * s) and (x * s) . q differ only by fp32
-rounding, far below the x.dtype roundings the reference makes after each projection.
+upcast to fp32 in registers (exact); the 128x128 block scale is never applied per weight: a program's weight
+rows all lie in one 128-row block (its row tile divides 128), so for every column h the scale s[row block,
+h // 128] is one value. Kernel 1 sums each 128-column block's products and multiplies that sum by its scale
+(one multiply per block and row); kernel 2 folds the scale into the activation it multiplies, x[h] * s, once
+per column tile ([k, BI] multiplies). The per-weight work stays the bf16 kernel's: one convert, one FMA (fp32
+accumulation). s * (x . q) over a block, (x * s) . q and x . (q * s) differ only by fp32 rounding, far below
+the x.dtype roundings the reference makes after each projection.
 Kernel 1 (SwiGLU), grid (T*k + T, cdiv(max(I, Is), BI)): pair p = (t, j) routes itself (`_route_nth`; from
 T = fused_moe.ROUTE_FIRST_FROM on, `_route_kernel` has routed first and the pair loads its expert),
 reads its expert's gate and up rows [BI, BH] per step with the scales of their block rows (gate block rows
@@ -40,7 +41,7 @@ def _swiglu_rows_fp8(x_row, sx_h, wg, sg_r, sg_h, wu, su_r, su_h, sc_g, sc_u, ro
     sc_g / sc_u the scale-table rows of the block row holding `rows` (fp32, contiguous along H blocks).
     A step's [BI, BH] weight tile is taken as [BI, BH / SB, SB]: each 128-column block's products with x are summed
     first and that block's sum multiplied by its one scale, so the scales cost a multiply per block, not per column
-    (scripts/bench_moe_fp8.py; BH a multiple of SB)."""
+    (benchmarks/h200_moe_fp8_bs1_sweep.json; BH a multiple of SB)."""
     NB: tl.constexpr = BH // SB
     b = tl.arange(0, NB)
     c = tl.arange(0, SB)
@@ -158,10 +159,11 @@ def _moe_fp8_down_kernel(logits, down, d_s, sh_down, sd_s, act, act_sh, route_w,
 # fused_moe.decode_tiles): kernel 1 reads [BI1, BH1] e4m3 tiles of gate and up per step, kernel 2 [k, BH2, BI2]
 # tiles of down. BI1 and BH2 (weight rows per program) must divide 128 (one block row per program), BH1 be a
 # multiple of it. H200, one token, each call on its own weights, 12 calls per replayed CUDA graph, routing
-# precomputed (`python -m onegraph.scripts.bench_moe_fp8 --batches 1 --copies 12`; the sweep before the block sums:
-# benchmarks/h200_moe_fp8_bs1_sweep.json): kernel 1 with the per-block sums 7.73 us at (2, 2048, 2) against 9.28
-# for the best tile of the per-column scale form; kernel 2 6.77 at (4, 512, 4) against 6.86 at (2, 512, 4). A
-# minimal kernel reading the same bytes with no scales and no roundings took 7.20 / 5.57 (the same sweep).
+# precomputed (a sweep of candidate kernels, benchmarks/h200_moe_fp8_bs1_sweep.json; `python -m
+# onegraph.scripts.bench_moe_fp8 --batches 1 --copies 12` times this op's tiles): kernel 1 with the per-block sums
+# 7.73 us at (2, 2048, 2) against 9.28 for the best tile of the per-column scale form; kernel 2 6.77 at (4, 512, 4)
+# against 6.86 at (2, 512, 4). A minimal kernel reading the same bytes with no scales and no roundings took
+# 7.20 / 5.57 (the same sweep).
 ONE = ((2, 2048, 2), (4, 512, 4))
 
 
