@@ -290,14 +290,13 @@ def route_first(T: int) -> bool:
     return T >= ROUTE_FIRST_FROM if PREROUTED is None else PREROUTED
 
 
-def route_buffers(logits: torch.Tensor, T: int, E: int, top_k: int,
-                  first: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def route_buffers(logits: torch.Tensor, T: int, E: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """The decode kernels' routing, kernel 1 -> kernel 2: (w [T, k] fp32, idx [T, k] int64, filled). Routed
-    first (`first`, default route_first(T)), _route_kernel fills them now from logits[:, :E] read in place;
-    otherwise they are empty and the SwiGLU kernel's shared-expert programs write them."""
+    first (route_first(T)), _route_kernel fills them now from logits[:, :E] read in place; otherwise they are
+    empty and the SwiGLU kernel's shared-expert programs write them."""
     w = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
     idx = torch.empty((T, top_k), dtype=torch.int64, device=logits.device)
-    first = route_first(T) if first is None else first
+    first = route_first(T)
     if first:
         launch(_route_kernel, (T,), logits, w, idx, logits.stride(0), E=E, BE=next_pow2(E), K=top_k,
                BK=next_pow2(top_k), num_warps=2)
@@ -315,25 +314,24 @@ def fused_moe_triton(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tenso
         w, idx = route_triton(logits[:, :E], top_k)                          # [T, k] x.dtype, int64
         return fused_moe_prefill.fused_moe_prefill(x, w, idx, gate_up, down, shared_gate, shared_up,
                                                    shared_down, logits, out_dtype)
-    return decode(x, logits, gate_up, down, shared_gate, shared_up, shared_down, top_k, out_dtype, decode_tiles(),
-                  route_first(T))
+    return decode(x, logits, gate_up, down, shared_gate, shared_up, shared_down, top_k, out_dtype)
 
 
-def decode(x, logits, gate_up, down, shared_gate, shared_up, shared_down, top_k: int, out_dtype: torch.dtype,
-           tiles: tuple[tuple[int, int, int], tuple[int, int, int]], first: bool) -> torch.Tensor:
-    """The two decode kernels (module docstring) over T = x.shape[0] tokens with an explicit plan: `tiles` as
-    decode_tiles returns them, `first`: route in _route_kernel first (else in-kernel). A pair's SwiGLU program and a
-    token's down program compute from that pair's / token's inputs only, so with a plan fixed for every T
-    (fused_moe_invariant.py) a token's output does not depend on the others in the launch."""
+def decode(x, logits, gate_up, down, shared_gate, shared_up, shared_down, top_k: int,
+           out_dtype: torch.dtype) -> torch.Tensor:
+    """The two decode kernels (module docstring) over T = x.shape[0] tokens, with decode_tiles() and routed as
+    route_first(T) says. A pair's SwiGLU program and a token's down program compute from that pair's / token's
+    inputs only, and the tiles do not depend on T, so a token's output does not depend on the others in the
+    launch (fused_moe_invariant.py runs these kernels at every T)."""
     T, H = x.shape
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
     Is = shared_gate.shape[0]
     P = T * top_k
     act = torch.empty((P, I), dtype=x.dtype, device=x.device)
     act_sh = torch.empty((T, Is), dtype=x.dtype, device=x.device)
-    route_w, route_i, routed = route_buffers(logits, T, E, top_k, first)
+    route_w, route_i, routed = route_buffers(logits, T, E, top_k)
     y = torch.empty((T, H), dtype=out_dtype, device=x.device)
-    (bi1, bh1, w1), (bh2, bi2, w2) = tiles
+    (bi1, bh1, w1), (bh2, bi2, w2) = decode_tiles()
     BI = min(bi1, next_pow2(max(I, Is)))
     BH = min(bh1, next_pow2(H))
     route = dict(E=E, BE=next_pow2(E), TOPK=top_k, BKK=next_pow2(top_k))

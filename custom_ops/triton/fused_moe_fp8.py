@@ -172,12 +172,12 @@ def tiles() -> tuple[tuple[int, int, int], tuple[int, int, int]]:
 
 
 def _launch_decode(x, logits, gate_up, gate_up_scale, down, down_scale, shared_gate, shared_gate_scale,
-                   shared_up, shared_up_scale, shared_down, shared_down_scale, top_k, out_dtype, plan=None):
-    """The two decode kernels over T tokens; plan: the tiles, as tiles() returns them (benchmarks may pass others)."""
+                   shared_up, shared_up_scale, shared_down, shared_down_scale, top_k, out_dtype):
+    """The two decode kernels over T tokens, with tiles() (benchmarks set ONE to time others)."""
     T, H = x.shape
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
     Is = shared_gate.shape[0]
-    (bi1, bh1, w1), (bh2, bi2, w2) = plan or tiles()
+    (bi1, bh1, w1), (bh2, bi2, w2) = tiles()
     if BLOCK % bi1 or BLOCK % bh2 or bh1 % BLOCK:
         raise ValueError(f"fused_moe_fp8: weight-row tiles must divide {BLOCK} and the SwiGLU column tile be a multiple "
                          f"of it, got {bi1}, {bh2} and {bh1}")

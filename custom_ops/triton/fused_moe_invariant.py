@@ -19,7 +19,7 @@ from torch.library import triton_op
 
 from .. import _registry
 from ..fused_moe import _validate
-from .fused_moe import decode, decode_tiles, route_first
+from .fused_moe import decode
 
 
 @triton_op("onegraph::fused_moe_invariant_triton", mutates_args=())
@@ -28,8 +28,7 @@ def fused_moe_invariant_triton(x: torch.Tensor, logits: torch.Tensor, gate_up: t
                                top_k: int, fp32_out: bool = False) -> torch.Tensor:
     _validate(x, logits, gate_up, down, shared_gate, shared_up, shared_down, top_k)
     out_dtype = torch.float32 if fp32_out else x.dtype
-    return decode(x, logits, gate_up, down, shared_gate, shared_up, shared_down, top_k, out_dtype, decode_tiles(),
-                  route_first(x.shape[0]))
+    return decode(x, logits, gate_up, down, shared_gate, shared_up, shared_down, top_k, out_dtype)
 
 
 _registry.register_lowering("fused_moe", _registry.INVARIANT, torch.ops.onegraph.fused_moe_invariant_triton.default)
