@@ -2,6 +2,7 @@
 prompts, each repeated under continuous batching with staggered admission, varying lengths and
 sampled noise neighbours; every repeat is compared with its solo reference stream."""
 import asyncio
+import json
 import random
 
 PROMPTS = {
@@ -81,4 +82,71 @@ def run_mix(engine, n_prompts: int, repeats: int, max_new_tokens: int = 32, seed
         if toks != ref:
             failures.append(f"prompt {bytes(MIX_PROMPTS[p])!r} sampler {s} repeat {i}: first differing token "
                             f"{first_diff(toks, ref)} (len {len(toks)} vs {len(ref)})")
+    return len(jobs), failures
+
+
+# ---------------------------------------------------------------- the same mix over HTTP: /v1/completions with
+# token-id prompts, half the requests streamed (SSE), and neighbours whose clients leave mid-stream, so rows join
+# and are cancelled between any two steps of the compared requests.
+def _body(model, p, s, max_new_tokens, stream):
+    kw = SAMPLERS[s]
+    return {"model": model, "prompt": MIX_PROMPTS[p], "max_tokens": max_new_tokens, "stream": stream,
+            "temperature": kw.get("temperature", 0.0), "top_k": kw.get("top_k", 0), "top_p": kw.get("top_p", 1.0),
+            "seed": kw.get("seed"), "return_token_ids": True}
+
+
+async def _http_ids(client, url, body, leave_after=None):
+    """One request -> its token ids (plain or SSE), or None when the client leaves after `leave_after` chunks."""
+    if not body["stream"]:
+        r = await client.post(url + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+    ids, n = None, 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            n += 1
+            if leave_after is not None and n >= leave_after:
+                return None                             # closing the stream is the disconnect
+            ch = json.loads(line[6:])
+            assert "error" not in ch, ch
+            if ch["choices"] and ch["choices"][0].get("finish_reason"):
+                ids = ch["choices"][0]["token_ids"]
+    return ids
+
+
+def run_mix_http(url: str, model: str, n_prompts: int, repeats: int, leavers: int, max_new_tokens: int = 32,
+                 seed: int = 7) -> tuple[int, list[str]]:
+    """run_mix through a server at `url`: each (prompt, sampler) sent alone first (not streamed), then every
+    request `repeats` times in shuffled order at staggered times, alternately plain and streamed, with `leavers`
+    long streamed neighbours that disconnect after 2 chunks -> (requests compared, one message per differing one)."""
+    import httpx
+    pairs = [(p, s) for p in range(n_prompts) for s in SAMPLERS]
+    rng = random.Random(seed)
+    jobs = [(p, s, i) for p, s in pairs for i in range(repeats)]
+    rng.shuffle(jobs)
+
+    async def main():
+        async with httpx.AsyncClient(timeout=300) as c:
+            solo = {ps: await _http_ids(c, url, _body(model, *ps, max_new_tokens, False)) for ps in pairs}
+
+            async def one(j, p, s, i):
+                await asyncio.sleep(rng.random() * 0.5)
+                return p, s, i, await _http_ids(c, url, _body(model, p, s, max_new_tokens, j % 2 == 1))
+
+            async def leaver(k):
+                await asyncio.sleep(rng.random() * 0.5)
+                body = {**_body(model, k % n_prompts, "t0.8-s11", 4 * max_new_tokens, True), "ignore_eos": True}
+                assert await _http_ids(c, url, body, leave_after=2) is None
+
+            got = await asyncio.gather(*[one(j, *job) for j, job in enumerate(jobs)],
+                                       *[leaver(k) for k in range(leavers)])
+            return solo, got[:len(jobs)]
+
+    solo, got = asyncio.run(main())
+    failures = [f"prompt {bytes(MIX_PROMPTS[p])!r} sampler {s} repeat {i} ({'SSE' if j % 2 else 'plain'}): "
+                f"first differing token {first_diff(toks, solo[(p, s)])} (len {len(toks)} vs {len(solo[(p, s)])})"
+                for j, (p, s, i, toks) in enumerate(got) if toks != solo[(p, s)]]
     return len(jobs), failures

@@ -3,7 +3,9 @@
 with --quant fp8 --fp8-lm-head besides; on each, 224 requests (7 prompts x 4 samplers: greedy; temperature 0.8
 seed 11; top-k 20 seed 3; top-p 0.9 at temperature 0.7 seed 5; x 8 repeats) staggered through Engine.stream on
 8 slots, each equal to the same request run alone,
-token for token (tests/canary.py run_mix). The same mix on the CPU artifact: tests/test_canary_mix.py.
+token for token (tests/canary.py run_mix); and the same 224 over the OpenAI server (in this process, 8 slots):
+half streamed as SSE, 16 long streamed neighbours whose clients leave after two chunks (run_mix_http). The same
+mix on the CPU artifact: tests/test_canary_mix.py.
 test_default_artifact_for_the_record runs the mix on the artifact exported without the option and prints its
 count (batching may legitimately change a row's last bits there, so it asserts nothing about them)."""
 import canary
@@ -22,11 +24,18 @@ def _export(tmp_path_factory, name, **kw):
     return out
 
 
-def _mix(path):
+def _mix(path, http=False):
     from onegraph.runtime import Engine
     eng = Engine.from_artifact(path, max_slots=8, max_queue=512, device="cuda")
     try:
-        n, failures = canary.run_mix(eng, n_prompts=len(canary.MIX_PROMPTS), repeats=8, max_new_tokens=32)
+        if http:
+            from onegraph.server.app import create_app
+            from server_helpers import running
+            with running(create_app(eng, "tiny-canary")) as url:
+                n, failures = canary.run_mix_http(url, "tiny-canary", n_prompts=len(canary.MIX_PROMPTS), repeats=8,
+                                                  leavers=16, max_new_tokens=32)
+        else:
+            n, failures = canary.run_mix(eng, n_prompts=len(canary.MIX_PROMPTS), repeats=8, max_new_tokens=32)
         c = eng.stats()["counters"]
         return n, failures, c
     finally:
@@ -68,6 +77,17 @@ def test_224_requests_equal_their_solo_runs(invariant_artifact):
           f"decode steps {c['decode_steps']}, rows {c['decode_rows']}")
     assert n == 224
     assert c["decode_rows"] > c["decode_steps"], "no step ever batched two rows"
+    assert not failures, f"{len(failures)} of {n} requests differ from their solo run; first: {failures[0]}"
+
+
+def test_224_requests_over_http_equal_their_solo_runs(invariant_artifact):
+    weights, path = invariant_artifact
+    n, failures, c = _mix(path, http=True)
+    print(f"batch-invariant {weights} artifact over HTTP (SSE, 16 clients leaving): {n - len(failures)} of {n} "
+          f"requests equal their solo run; decode steps {c['decode_steps']}, rows {c['decode_rows']}, "
+          f"cancelled {c.get('finished_cancelled', 0)}")
+    assert n == 224
+    assert c.get("finished_cancelled", 0) == 16, "a leaving client was not cancelled"
     assert not failures, f"{len(failures)} of {n} requests differ from their solo run; first: {failures[0]}"
 
 
