@@ -328,7 +328,7 @@ def prefix_cache_bytes(args, art) -> int | None:
     """serve's prefix cache pool for Engine.from_artifact: 0 with --no-prefix-cache, --prefix-cache-gb G's
     bytes (Engine refuses a G larger than the memory left free, or an artifact the cache cannot hold: exit 2),
     else None (the default budget, runtime/prefix_cache.py) where the cache holds the artifact's state, and 0
-    (said in the log) where it does not: a speculative artifact (the MTP head's state) or tensor parallel."""
+    (said in the log) where it does not: tensor parallel."""
     from onegraph.runtime import prefix_cache
     if not args.prefix_cache:
         return 0
@@ -624,7 +624,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--prefix-cache-gb", type=float, default=None, metavar="G",
                    help="device memory for the prefix cache's blocks, in GiB (default: 10%% of the memory free "
-                        "after the weights, the slots and the workspace, at most 64 max_seq_len prompts; refused with speculation or tensor "
+                        "after the weights, the slots and the workspace, at most 64 max_seq_len prompts; refused with tensor "
                         "parallel, where it is off by default)")
     g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="prefill every prompt from token 0 (no prefix cache)")

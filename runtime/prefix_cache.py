@@ -36,8 +36,15 @@ All copies are tensor ops on the device (a hit, and a block stored, is one torch
 dtype over views made once), run on the engine thread between graph calls; the host does per-block
 bookkeeping only.
 
-What it refuses (`unsupported`): state tensors of speculative decoding (the MTP head's KV, spec.y, spec.pos)
-and tensor parallel (each rank owns its state; the copies would have to run on every rank).
+Speculative artifacts: the MTP head's KV cache (mtp{i}.k_cache / v_cache, kind "kv") is cached as every
+attention layer's: a prefill chunk catches the head up over its positions (head position t on (h_t, x_{t+1}),
+x_{t+1} from the prompt), so after a chunk that ends at P the head's rows [0, P) are the miss's. The round carry
+(kind "spec": spec.y, the head's output at the last prefilled position, and spec.pos) is not cached: every
+prefill chunk writes both for its slot before anything reads them, and a hit leaves at least one prompt token
+to prefill.
+
+What it refuses (`unsupported`): tensor parallel (each rank owns its state; the copies would have to run on
+every rank).
 """
 from __future__ import annotations
 
@@ -66,17 +73,17 @@ def unsupported(state_meta: list, tp: int) -> str | None:
     """Why the prefix cache cannot run on this state layout (one line), or None."""
     if tp > 1:
         return f"the prefix cache runs at tp=1 (this artifact is tp={tp}: each rank owns its state)"
-    if any(state_kind(t) == "spec" for t in state_meta):
-        return ("the prefix cache does not hold the MTP head's state (speculative decoding): serve this "
-                "artifact with --no-prefix-cache")
     return None
 
 
 def block_bytes(state_meta: list, block_tokens: int) -> int:
-    """Bytes of one cached block: C KV rows of each attention KV tensor + each GDN tensor's slot row."""
+    """Bytes of one cached block: C KV rows of each attention KV tensor (the MTP head's included) + each GDN
+    tensor's slot row; the speculative round carry is not cached (module docstring)."""
     from onegraph.graphs.signature import torch_dtype
     n = 0
     for t in state_meta:
+        if state_kind(t) == "spec":
+            continue
         per_slot = math.prod(t["shape"][1:]) * torch_dtype(t["dtype"]).itemsize
         n += per_slot * block_tokens // t["shape"][2] if state_kind(t) == "kv" else per_slot
     return n
@@ -109,13 +116,15 @@ class PrefixCache:
         if self.capacity < 1:
             raise ValueError(f"a prefix cache budget of {budget_bytes} bytes holds no block "
                              f"({self.block_bytes} bytes per block of {block_tokens} tokens)")
-        # pools: [N, KVH, C, D] per KV tensor, [N, ...] per GDN tensor; only rows a block wrote are ever read
-        self.pools = [torch.zeros((self.capacity, t.shape[1], block_tokens, *t.shape[3:]) if k == "kv"
+        # pools: [N, KVH, C, D] per KV tensor, [N, ...] per GDN tensor, none for the round carry; only rows a
+        # block wrote are ever read
+        self.pools = [None if k == "spec" else
+                      torch.zeros((self.capacity, t.shape[1], block_tokens, *t.shape[3:]) if k == "kv"
                                   else (self.capacity, *t.shape[1:]), dtype=t.dtype, device=t.device)
                       for t, k in zip(state, self.kinds)]
         self.free_rows = list(range(self.capacity))
         self.kv = [i for i, k in enumerate(self.kinds) if k == "kv"]
-        self.gdn = [i for i, k in enumerate(self.kinds) if k != "kv"]
+        self.gdn = [i for i, k in enumerate(self.kinds) if k in ("conv", "recurrent")]
         # Every copy (a hit: pool rows -> slot, a store: slot -> a pool row) is one torch._foreach_copy_ per
         # dtype (bf16 KV and conv, fp32 recurrent: 2) over views made once, as first used, and kept in
         # self._views (making views was most of a store's host time). On CUDA its fused path (a kernel per
@@ -124,7 +133,8 @@ class PrefixCache:
         # head. (35B, a hit of 15 blocks: 600 KV views + 60 GDN rows in 2 calls, where an index_select and a
         # copy_ per KV tensor and a copy_ per GDN tensor made ~100 ops; other layouts take the slow path: the
         # same bits, a copy_ each.)
-        self.groups = {d: g for g, d in enumerate(dict.fromkeys(t.dtype for t in state))}   # dtype -> group
+        self.groups = {d: g for g, d in enumerate(dict.fromkeys(t.dtype for t, k in zip(state, self.kinds)
+                                                                if k != "spec"))}   # dtype -> group
         self._views: dict[tuple, list[list[torch.Tensor]]] = {}
         self.entries: collections.OrderedDict[bytes, Entry] = collections.OrderedDict()   # LRU first
         self.root = hashlib.sha256(scope.encode()).digest()

@@ -145,6 +145,29 @@ def test_seeded_sampling_identical(engines):
     assert _solo(off, p, 64, Sampling(0.9, 40, 0.95, 0)) != _solo(off, p, 64, Sampling(0.9, 40, 0.95, 7))
 
 
+def test_prefix_cache_hits_equal_misses(spec_artifact, engines, one_thread):
+    """The prefix cache on a speculative artifact: requests sharing a 48-token prefix (3 blocks of 16) hit it,
+    and each equals its run on the cache-less speculative engine: the same ids (greedy and seeded) and the same
+    rounds and accepted drafts (the head's KV rows [0, 48) come from the cache: wrong rows change its drafts)."""
+    from onegraph.runtime import Engine
+    on, _ = engines
+    cached = Engine.from_artifact(spec_artifact, max_slots=2, check_parity=False, prefix_cache_bytes=8 << 20)
+    try:
+        ps = heldout_prompts(4, 60)
+        for k, sp in enumerate((Sampling(), Sampling(0.9, 40, 0.95, 5))):
+            for i, p in enumerate(ps):
+                prompt = ps[0][:48] + p[48:]
+                args = (prompt, 40, sp.temperature, sp.top_k, sp.top_p, sp.seed)
+                want, got = on.generate(*args), cached.generate(*args)
+                assert got.token_ids == want.token_ids, (k, i)
+                assert (got.speculation["rounds"], got.speculation["accepted_mean"]) == \
+                    (want.speculation["rounds"], want.speculation["accepted_mean"]), (k, i)
+                assert got.cached_tokens == (0 if k == i == 0 else 48), (k, i)
+        assert cached.stats()["prefix_cache"]["hits"] == 7
+    finally:
+        cached.close()
+
+
 def chi2_sf(x: float, df: int) -> float:
     """P[chi2(df) >= x] (the regularised upper incomplete gamma function)."""
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(x / 2,
