@@ -397,7 +397,7 @@ def cmd_serve(args) -> int:
         if code is None:
             engine = Engine.from_artifact(art, max_slots=args.max_slots, max_queue=args.max_queue,
                                           cuda_graphs=args.cuda_graphs, speculation=args.speculation,
-                                          prefill_budget=args.prefill_budget,
+                                          prefill_budget=args.prefill_budget, prefill_chunk=args.prefill_chunk,
                                           prefix_cache_bytes=prefix_cache_bytes(args, art))
     except BaseException:              # a refused load: the port is free again at once
         if sock is not None:
@@ -620,7 +620,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64)
     p.add_argument("--prefill-budget", type=int, default=None, metavar="TOKENS",
                    help="prompt tokens prefilled per engine step, between the running streams' decode steps "
-                        "(default: the artifact's largest prefill chunk; at least one chunk runs per step)")
+                        "(default: the prefill chunk; at least one chunk runs per step)")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
+                   help="feed prompts in chunks of at most TOKENS, one of the artifact's prefill chunks (default: "
+                        "its largest). Smaller: shorter stalls of the running streams, a slower prompt; the "
+                        "chunk partition sets a prompt's rounding, and the prefix cache's block")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--prefix-cache-gb", type=float, default=None, metavar="G",
                    help="device memory for the prefix cache's blocks, in GiB (default: 10%% of the memory free "

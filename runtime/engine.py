@@ -113,12 +113,15 @@ class Engine:
                  prefill_budget: int | None = None, prefix_cache=None):
         """speculation: None uses the artifact's speculative graphs where it has them, False decodes one token
         per step, True requires them (ValueError naming the export option if the artifact has none).
-        prefill_budget: prompt tokens prefilled per engine step between decode steps (default: the largest
-        prefill chunk; at least one chunk runs per step whatever its size). prefix_cache: a
-        runtime/prefix_cache.py PrefixCache over this executor's state, or None."""
+        prefill_budget: prompt tokens prefilled per engine step between decode steps (default: the executor's
+        largest chunk, GraphExecutor.set_max_chunk; at least one chunk runs per step whatever its size).
+        prefix_cache: a runtime/prefix_cache.py PrefixCache over this executor's state, or None."""
         if prefill_budget is not None and prefill_budget < 1:
             raise ValueError(f"prefill_budget must be >= 1 prompt tokens per step, got {prefill_budget}")
-        self.prefill_budget = int(prefill_budget or executor.prefill_buckets[-1])
+        if prefix_cache is not None and prefix_cache.C != executor.max_chunk:
+            raise ValueError(f"the prefix cache's blocks ({prefix_cache.C} tokens) are not the prefill chunk "
+                             f"({executor.max_chunk})")
+        self.prefill_budget = int(prefill_budget or executor.max_chunk)
         if speculation and not executor.speculative_tokens:
             raise ValueError("speculative decoding needs an artifact exported with --speculative-tokens K "
                              "(this one has no draft / verify graphs)")
@@ -148,9 +151,12 @@ class Engine:
     def from_artifact(cls, path, max_slots: int = 4, max_queue: int = 64, device: str | None = None,
                       check_parity: bool = True, cuda_graphs: bool = True,
                       speculation: bool | None = None, prefill_budget: int | None = None,
-                      free_memory: int | None = None, prefix_cache_bytes: int | None = 0) -> "Engine":
+                      free_memory: int | None = None, prefix_cache_bytes: int | None = 0,
+                      prefill_chunk: int | None = None) -> "Engine":
         """An engine over an artifact: a directory (verified here, for `device`: default the artifact's) or an
-        Artifact already loaded (on its own device). prefill_budget: see Engine. A max_slots that does not
+        Artifact already loaded (on its own device). prefill_budget: see Engine. prefill_chunk: the largest
+        chunk a prompt is fed in, one of the artifact's prefill chunks (default its largest;
+        GraphExecutor.set_max_chunk says what it trades), checked before any graph loads. A max_slots that does not
         fit in the device's free memory (or `free_memory` bytes) is refused with a ValueError naming the
         memory needed and free (GraphExecutor.from_artifact). prefix_cache_bytes: the prefix cache's pool
         (0: no cache; None: runtime/prefix_cache.py's default fraction of the memory left free), checked
@@ -159,20 +165,26 @@ class Engine:
         if speculation and not art.speculative_tokens:     # refused before any graph loads
             raise ValueError(f"{art.path} has no draft / verify graphs: export it with --speculative-tokens K "
                              f"to decode speculatively")
+        chunks = sorted(g["bucket"] for g in art.graphs.values() if g["kind"] == "prefill")
+        chunk = chunks[-1] if prefill_chunk is None else prefill_chunk
+        if chunk not in chunks:
+            raise ValueError(f"a prefill chunk of {chunk} tokens: {art.path}'s prefill chunks are "
+                             f"{', '.join(map(str, chunks))}")
         cache_bytes = 0
         if prefix_cache_bytes != 0:
             from . import prefix_cache
-            cache_bytes = prefix_cache.budget(art, max_slots, prefix_cache_bytes, free_memory)
+            cache_bytes = prefix_cache.budget(art, max_slots, prefix_cache_bytes, free_memory, chunk)
         ex = GraphExecutor.from_artifact(art, max_slots=max_slots, check_parity=check_parity,
                                          cuda_graphs=cuda_graphs, free_memory=free_memory)
+        ex.set_max_chunk(chunk)
         cache = None
         if cache_bytes:
             from .prefix_cache import for_executor
             cache = for_executor(ex, cache_bytes)
         eng = cls(ex, max_queue, speculation, prefill_budget, cache)
-        log.info("onegraph engine: %s, %d slots, decode buckets %s, prefill chunks %s, prefill budget %s tokens "
-                 "per step, speculative tokens %s", ex.path, max_slots, ex.decode_buckets, ex.prefill_buckets,
-                 eng.prefill_budget, ex.speculative_tokens if speculation is not False else "off")
+        log.info("onegraph engine: %s, %d slots, decode buckets %s, prefill chunks %s (prompts fed in chunks of "
+                 "up to %d), prefill budget %s tokens per step, speculative tokens %s", ex.path, max_slots,
+                 ex.decode_buckets, ex.prefill_buckets, ex.max_chunk, eng.prefill_budget, ex.speculative_tokens if speculation is not False else "off")
         log.info("onegraph load (wall s): %s", ", ".join(f"{k} {v:.2f}" for k, v in ex.load_timings_s.items()))
         if ex.fixture_report is not None:
             log.info("onegraph parity fixture: %s", ex.fixture_report)

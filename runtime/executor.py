@@ -135,6 +135,18 @@ class GraphExecutor:
         self.prefill_buckets = sorted(g["bucket"] for g in graph_meta.values() if g["kind"] == "prefill")
         if not self.decode_buckets or not self.prefill_buckets:
             raise ArtifactError("artifact needs at least one decode and one prefill graph")
+        self.max_chunk = self.prefill_buckets[-1]   # the largest chunk a prompt is fed in (set_max_chunk)
+
+    def set_max_chunk(self, chunk: int) -> None:
+        """Feed prompts in chunks of at most `chunk` tokens, one of the prefill buckets (default the largest).
+        A smaller chunk shortens the steps that prefill between running streams' decode steps (their
+        inter-token gaps) at the cost of the prompt's own prefill time, since every chunk reads the weights;
+        it also changes the chunk partition, and with it the prompt's rounding (the prefix cache's block
+        is this chunk). ValueError of one line for a size the artifact has no prefill graph for."""
+        if chunk not in self.prefill_buckets:
+            raise ValueError(f"a prefill chunk of {chunk} tokens: the artifact's prefill chunks are "
+                             f"{', '.join(map(str, self.prefill_buckets))}")
+        self.max_chunk = chunk
 
     # ---- construction ----
     @classmethod
@@ -312,9 +324,9 @@ class GraphExecutor:
         return ids, logits
 
     def chunk_tokens(self, rest: int) -> int:
-        """Prompt tokens the next prefill chunk feeds when `rest` are left: all of them if a bucket holds
-        them (the smallest such bucket runs), else the largest bucket's worth."""
-        return min(rest, self.prefill_buckets[-1])
+        """Prompt tokens the next prefill chunk feeds when `rest` are left: all of them if they fit in
+        max_chunk (the smallest bucket that holds them runs), else max_chunk's worth."""
+        return min(rest, self.max_chunk)
 
     def prefill_chunk(self, prompt: list[int], i: int, slot: int, sampling: Sampling = Sampling(),
                       start_pos: int = 0):
@@ -322,9 +334,9 @@ class GraphExecutor:
         start_pos + i -> (next_id [1], logits [1, V]). Only the prompt's last chunk samples the request's
         first token; the id an earlier chunk writes to last_tok[slot] is overwritten by the next one.
         The Engine calls this chunk by chunk, between decode steps of other slots."""
-        d, rest = self.device, len(prompt) - i
-        T = next((b for b in self.prefill_buckets if b >= rest), self.prefill_buckets[-1])
-        part = prompt[i:i + T]
+        d, rest = self.device, self.chunk_tokens(len(prompt) - i)
+        T = next(b for b in self.prefill_buckets if b >= rest)
+        part = prompt[i:i + rest]
         toks = torch.zeros(T, dtype=torch.int64, device=d)
         toks[:len(part)] = torch.tensor(part, dtype=torch.int64)
         extra = []

@@ -1,8 +1,8 @@
 """PrefixCache: reuse a prompt prefix's attention KV rows and GDN state across requests, exactly.
 
 A GDN layer's state cannot be rewound, so the cache keeps snapshots taken at block boundaries. A block is
-the artifact's largest prefill chunk C: GraphExecutor.chunk_tokens feeds every chunk but a prompt's last one
-C tokens, so each non-last chunk ends on a block boundary and its end is a snapshot point of the prefill that
+the engine's prefill chunk C (GraphExecutor.max_chunk, default the artifact's largest): chunk_tokens feeds
+every chunk but a prompt's last one C tokens, so each non-last chunk ends on a block boundary and its end is a snapshot point of the prefill that
 already runs (no extra pass); and a prefill resumed at a multiple of C runs the very chunk partition the
 uncached prefill runs, so a hit is bit-identical to a miss (same logits, same sampled tokens: sampling
 depends on the seed and the position only).
@@ -294,11 +294,13 @@ class PrefixCache:
                 "evictions": self.counters["evictions"]}
 
 
-def budget(art, max_slots: int, requested: int | None, free_memory: int | None = None) -> int:
+def budget(art, max_slots: int, requested: int | None, free_memory: int | None = None,
+           chunk: int | None = None) -> int:
     """The pool bytes of an engine over `art` (an Artifact) with max_slots slots, checked before anything loads:
     `requested` bytes, or None for DEFAULT_FRACTION of the memory free after the weights, the slots and the
     workspace (runtime/memory.py; `free_memory`: the free bytes to assume), at most DEFAULT_PROMPTS prompts of
-    max_seq_len tokens, and 0 where that default holds no block.
+    max_seq_len tokens, and 0 where that default holds no block. A block is `chunk` tokens (the engine's
+    prefill chunk; default the artifact's largest).
     A request that is negative, holds no block or is larger than that room, or a layout the cache does not hold
     (`unsupported`), is a ValueError of one line."""
     from .memory import DoesNotFit, free_bytes, needed_bytes, size
@@ -309,7 +311,7 @@ def budget(art, max_slots: int, requested: int | None, free_memory: int | None =
         raise ValueError(f"the prefix cache budget must be >= 0 bytes, got {requested}")
     free = free_bytes(art.device) if free_memory is None else free_memory
     room = max(0, free - needed_bytes(art.path, art.manifest, max_slots, art.device.type, art.rank)["total"])
-    C = max(g["bucket"] for g in art.graphs.values() if g["kind"] == "prefill")
+    C = chunk or max(g["bucket"] for g in art.graphs.values() if g["kind"] == "prefill")
     per = block_bytes(art.state, C)
     if requested is None:
         default = min(int(room * DEFAULT_FRACTION), DEFAULT_PROMPTS * -(-art.max_seq_len // C) * per)
@@ -323,8 +325,9 @@ def budget(art, max_slots: int, requested: int | None, free_memory: int | None =
 
 
 def for_executor(ex, budget_bytes: int) -> PrefixCache:
-    """A cache over an artifact executor's state: blocks of its largest prefill chunk, scoped by the artifact's
-    manifest hash (graphs, weights, dtype, options), its backend and device."""
+    """A cache over an artifact executor's state: blocks of its prefill chunk (GraphExecutor.max_chunk), scoped
+    by the artifact's manifest hash (graphs, weights, dtype, options), its backend, device and that chunk (the
+    chunk partition sets a prompt's rounding)."""
     art = ex.artifact
-    scope = f"{art.manifest.get('manifest_sha256')}|{art.backend}|{ex.device}"
-    return PrefixCache(ex.state, art.state, ex.prefill_buckets[-1], budget_bytes, scope)
+    scope = f"{art.manifest.get('manifest_sha256')}|{art.backend}|{ex.device}|chunk {ex.max_chunk}"
+    return PrefixCache(ex.state, art.state, ex.max_chunk, budget_bytes, scope)

@@ -328,18 +328,19 @@ def bench_prefill(model, weights, T: int, args, dev, bw: float) -> dict:
 def bench_interleave(model, weights, args, dev) -> dict:
     """scripts/bench_interleave.py's measurement through an Engine over this run's in-memory graphs (the weights
     do not fit the device's disk as an artifact): --interleave streams decode at the smallest --batch bucket that
-    holds them while one --interleave-prompt-token prompt is admitted in chunks of --interleave-chunk tokens,
+    holds them while one --interleave-prompt-token prompt is admitted in chunks of each --interleave-chunk size,
     once with the engine's default budget (one chunk per step) and once whole (all its chunks back to back,
-    the stall interleaving replaces: its TTFT is the chunked prompt's prefill time)."""
+    the stall interleaving replaces: its TTFT is the chunked prompt's prefill time): the trade-off of the
+    chunk between the streams' inter-token gaps and the prompt's TTFT."""
     from onegraph.export.entry import graph_spec
     from onegraph.graphs.signature import state_manifest
     from onegraph.runtime import Engine
     from onegraph.runtime.executor import GraphExecutor
     from .bench_interleave import budget_runs
-    S, T, dtype = args.interleave, args.interleave_chunk, model.embed_tokens.weight.dtype
+    S, chunks, dtype = args.interleave, sorted(args.interleave_chunk), model.embed_tokens.weight.dtype
     B = min(b for b in args.batch if b >= S)
     graphs, meta = {}, {}
-    for kind, bucket in (("decode", B), ("prefill", T)):
+    for kind, bucket in [("decode", B)] + [("prefill", T) for T in chunks]:
         spec = graph_spec(model, kind, bucket, args.max_seq_len, dtype)
         graphs[spec.name], meta[spec.name] = lower(model, weights, kind, bucket, args, dev, {}), spec.manifest()
     ex = GraphExecutor({n: g.run for n, g in graphs.items()}, meta, state_manifest(model, args.max_seq_len, dtype),
@@ -347,14 +348,15 @@ def bench_interleave(model, weights, args, dev) -> dict:
     ex.path = f"{args.lower}-{dev.type}"
     if dev.type == "cuda" and args.lower == "aoti":
         ex._capture(graphs, copy_in=True)               # as GraphExecutor.from_artifact does
-    eng = Engine(ex)                                    # its default budget: one chunk of T per step
+    eng = Engine(ex)                                    # its default budget: one chunk per step
     try:
-        runs = budget_runs(eng, ["chunk", "whole"], S, args.interleave_prompt, 8, 0)
+        runs = budget_runs(eng, ["chunk", "whole"], S, args.interleave_prompt, 8, 0, chunks)
     finally:
         eng.close()
-    r = {"streams": S, "decode_bucket": B, "prompt_tokens": args.interleave_prompt, "prefill_chunk": T,
+    r = {"streams": S, "decode_bucket": B, "prompt_tokens": args.interleave_prompt, "prefill_chunks": chunks,
          "path": ex.path, "runs": runs,
-         "chunked_prefill_tok_s": round(args.interleave_prompt / runs[-1]["long_ttft_ms"] * 1e3, 1)}
+         "chunked_prefill_tok_s": {str(x["prefill_chunk"]): round(args.interleave_prompt / x["long_ttft_ms"] * 1e3, 1)
+                                   for x in runs if x["budget"] == "whole"}}
     log(json.dumps(r))
     del eng, ex, graphs
     if dev.type == "cuda":
@@ -488,7 +490,8 @@ def main(argv=None) -> int:
                     help="also: STREAMS decoding through an Engine over the in-memory graphs while a long prompt is "
                          "admitted (scripts/bench_interleave.py's figures; a --batch bucket must hold STREAMS)")
     ap.add_argument("--interleave-prompt", type=int, default=32768, help="the long prompt's tokens (--interleave)")
-    ap.add_argument("--interleave-chunk", type=int, default=2048, help="its prefill chunk (--interleave)")
+    ap.add_argument("--interleave-chunk", type=lambda v: [int(x) for x in v.split(",")], default=[2048],
+                    help="its prefill chunks, comma-separated: one run per chunk (--interleave)")
     ap.add_argument("--transformers", action="store_true",
                     help="then transformers eager on the same config and batches (its own random weights)")
     ap.add_argument("--fp32-reduce", action="store_true", help="the export option of that name (TP-invariant sums)")
@@ -528,7 +531,7 @@ def main(argv=None) -> int:
     if args.prefill and max(args.prefill) > args.max_seq_len:      # checked before minutes of lowering
         print(f"bench_big: --prefill {max(args.prefill)} exceeds --max-seq-len {args.max_seq_len}", file=sys.stderr)
         return 2
-    if args.interleave and not (max(args.batch) >= args.interleave and args.interleave_chunk <= args.max_seq_len
+    if args.interleave and not (max(args.batch) >= args.interleave and max(args.interleave_chunk) <= args.max_seq_len
                                 and args.interleave_prompt + 32 <= args.max_seq_len):
         print(f"bench_big: --interleave {args.interleave} needs a --batch bucket of at least {args.interleave} rows and "
               f"--interleave-prompt + 32 tokens (each stream's) within --max-seq-len", file=sys.stderr)
@@ -609,8 +612,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     wanted = ([("spec", B, k) for B in args.batch for k in args.speculative_tokens] + [("decode", B, 0) for B in args.batch]
               + [("prefill", T, 0) for T in args.prefill])
-    if args.interleave and ("prefill", args.interleave_chunk, 0) not in wanted:
-        wanted.append(("prefill", args.interleave_chunk, 0))
+    wanted += [("prefill", T, 0) for T in args.interleave_chunk if args.interleave and ("prefill", T, 0) not in wanted]
     args.prelowered = lower_all(model, wanted, args, dev)
     res["batches"] = []
     for B in args.batch:

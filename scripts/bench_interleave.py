@@ -4,8 +4,9 @@
 
 --streams requests decode (greedy, 16-token prompts); once each has --warmup tokens, one prompt of
 --prompt-len tokens is submitted, and the streams are cancelled once it has its first token. For each
---budgets entry (prompt tokens prefilled per engine step; `chunk`: the engine's default, the artifact's
-largest prefill chunk; `whole`: the whole prompt in one step, the stall interleaving replaces) it reports
+--chunks entry (the prefill chunk the prompt is fed in, one of the artifact's; default its largest) and each
+--budgets entry (prompt tokens prefilled per engine step; `chunk`: the engine's default, one chunk;
+`whole`: the whole prompt in one step, the stall interleaving replaces) it reports
 the streams' inter-token gaps that overlap the long prompt's prefill (p50 / p90 / p99 / max ms), the long
 prompt's time to first token, and the decode steps run between its chunks. One engine serves every
 budget (set between runs, while it is idle).
@@ -75,16 +76,20 @@ def one_run(eng, streams: int, prompt_len: int, warmup: int, seed: int) -> dict:
             "decode_steps_between_chunks": eng.stats()["counters"].get("decode_steps_between_chunks", 0) - before}
 
 
-def budget_runs(eng, budgets: list[str], streams: int, prompt_len: int, warmup: int, seed: int) -> list[dict]:
-    """one_run per prefill budget (`chunk`: the engine's default, `whole`: the whole prompt, or a token count),
-    set on the idle engine between runs and restored after."""
-    default, runs = eng.prefill_budget, []
+def budget_runs(eng, budgets: list[str], streams: int, prompt_len: int, warmup: int, seed: int,
+                chunks: list[int] | None = None) -> list[dict]:
+    """one_run per prefill chunk (default: the engine's) and prefill budget (`chunk`: one chunk per step,
+    `whole`: the whole prompt, or a token count), set on the idle engine between runs and restored after."""
+    default, chunk0, runs = eng.prefill_budget, eng.ex.max_chunk, []
     try:
-        for b in budgets:
-            eng.prefill_budget = default if b == "chunk" else prompt_len if b == "whole" else int(b)
-            runs.append(dict(one_run(eng, streams, prompt_len, warmup, seed), budget=b))
+        for c in chunks or [chunk0]:
+            eng.ex.set_max_chunk(c)
+            for b in budgets:
+                eng.prefill_budget = c if b == "chunk" else prompt_len if b == "whole" else int(b)
+                runs.append(dict(one_run(eng, streams, prompt_len, warmup, seed), prefill_chunk=c, budget=b))
     finally:
         eng.prefill_budget = default
+        eng.ex.set_max_chunk(chunk0)
     return runs
 
 
@@ -95,6 +100,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=32768)
     ap.add_argument("--warmup", type=int, default=8, help="tokens each stream has before the long prompt comes")
     ap.add_argument("--budgets", default="chunk,whole", help="comma-separated: chunk, whole, or token counts")
+    ap.add_argument("--chunks", default=None, help="comma-separated prefill chunks to feed the prompt in (each one "
+                                                   "of the artifact's; default its largest)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="write the JSON here")
@@ -106,7 +113,14 @@ def main(argv=None) -> int:
             print(f"bench_interleave: error: --prompt-len must be in 1..{eng.ex.max_seq_len - 1} (the artifact's "
                   f"max_seq_len) and --warmup small enough for 16-token prompts", file=sys.stderr)
             return 2
-        runs = budget_runs(eng, args.budgets.split(","), args.streams, args.prompt_len, args.warmup, args.seed)
+        chunks = [int(c) for c in args.chunks.split(",")] if args.chunks else None
+        bad = [c for c in chunks or [] if c not in eng.ex.prefill_buckets]
+        if bad:
+            print(f"bench_interleave: error: --chunks {bad[0]}: the artifact's prefill chunks are "
+                  f"{', '.join(map(str, eng.ex.prefill_buckets))}", file=sys.stderr)
+            return 2
+        runs = budget_runs(eng, args.budgets.split(","), args.streams, args.prompt_len, args.warmup, args.seed,
+                           chunks)
     finally:
         eng.close()
     import torch

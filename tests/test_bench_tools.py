@@ -196,14 +196,15 @@ def test_bench_big_prefill_and_interleave_on_cpu(tmp_path):
     """bench_big --prefill / --interleave on the tiny shape (CPU, fp32, the traced graphs run uncaptured): the
     prefill row equals eager and names its weight bytes (every expert: 24 tokens over 8 experts top-2); the
     interleave runs 2 streams through an Engine over the in-memory graphs while a 40-token prompt is admitted
-    in 16-token chunks, with the default budget (decode steps between its chunks) and whole (none)."""
+    in 8- and in 16-token chunks, each with the default budget (decode steps between its chunks) and whole
+    (none): the chunk's trade-off curve."""
     import json
 
     from onegraph.scripts.bench_big import main
     out = tmp_path / "inter.json"
     assert main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--lower", "export", "--batch", "2",
                  "--prefill", "24", "--steps", "2", "--eager-steps", "1", "--max-seq-len", "96", "--interleave", "2",
-                 "--interleave-prompt", "40", "--interleave-chunk", "16", "--out", str(out)]) == 0
+                 "--interleave-prompt", "40", "--interleave-chunk", "16,8", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     (pre,) = res["prefill"]
     assert pre["prompt_tokens"] == 24 and pre["parity_vs_eager"]["ids_equal"], pre
@@ -213,11 +214,14 @@ def test_bench_big_prefill_and_interleave_on_cpu(tmp_path):
     experts = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n and not n.startswith("mtp."))
     assert pre["weight_bytes"] > experts * 0.99           # 1 - (3/4)^24 of them, expected
     inter = res["interleave"]
-    assert (inter["streams"], inter["decode_bucket"], inter["prefill_chunk"]) == (2, 2, 16)
-    chunk, whole = inter["runs"]
-    assert chunk["budget"] == "chunk" and chunk["decode_steps_between_chunks"] >= 2, chunk     # 3 chunks
-    assert whole["budget"] == "whole" and whole["decode_steps_between_chunks"] == 0, whole
-    assert chunk["itl_during_prefill_ms"]["n"] > 0 and inter["chunked_prefill_tok_s"] > 0
+    assert (inter["streams"], inter["decode_bucket"], inter["prefill_chunks"]) == (2, 2, [8, 16])
+    runs = {(r["prefill_chunk"], r["budget"]): r for r in inter["runs"]}
+    assert sorted(runs) == [(8, "chunk"), (8, "whole"), (16, "chunk"), (16, "whole")]
+    assert runs[8, "chunk"]["prefill_budget"] == 8 and runs[16, "chunk"]["prefill_budget"] == 16
+    assert runs[8, "chunk"]["decode_steps_between_chunks"] >= 4, runs         # 5 chunks
+    assert runs[16, "chunk"]["decode_steps_between_chunks"] >= 2, runs        # 3 chunks
+    assert all(runs[c, "whole"]["decode_steps_between_chunks"] == 0 for c in (8, 16)), runs
+    assert runs[8, "chunk"]["itl_during_prefill_ms"]["n"] > 0 and set(inter["chunked_prefill_tok_s"]) == {"8", "16"}
 
 
 def test_bench_big_lower_all_keys_by_kind_bucket_and_drafts(monkeypatch):
