@@ -97,16 +97,25 @@ def staging(out: Path):
 @contextlib.contextmanager
 def interruptible():
     """SIGTERM (and SIGINT) raise ExportInterrupted here, so cleanup runs; the old handlers come back
-    after. Outside the main thread signals cannot be handled: nothing is installed."""
+    after. An error that escapes after a signal came is that ExportInterrupted again: code running when it
+    arrived may wrap it in its own error (torch.export's serializer wraps whatever its node handlers raise,
+    here a module import the signal cut short). Outside the main thread signals cannot be handled: nothing
+    is installed."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    came = []
 
     def raise_interrupted(signum, frame):
+        came.append(signum)
         raise ExportInterrupted(signum)
     old = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
+    except Exception:
+        if came:
+            raise ExportInterrupted(came[0]) from None
+        raise
     finally:
         for s, h in old.items():
             signal.signal(s, h)

@@ -157,6 +157,25 @@ def test_interrupted_export_leaves_out_untouched(tmp_path, sig):
     assert [w for w in workers if Path(f"/proc/{w}").exists() and _state(w) != "Z"] == [], "workers outlived export"
 
 
+def test_an_interrupt_wrapped_in_a_library_error_stays_an_interrupt():
+    """SIGTERM raises ExportInterrupted in whatever code runs; code that wraps it in its own error (torch.export's
+    serializer did, failing a run of the test above) still leaves interruptible() as ExportInterrupted, and an
+    error with no signal behind it stays itself."""
+    from onegraph.export.staging import ExportInterrupted, interruptible
+    with pytest.raises(ExportInterrupted) as got:
+        with interruptible():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+            except ExportInterrupted as e:
+                raise RuntimeError("Failed serializing node") from e
+    assert got.value.signum == signal.SIGTERM and got.value.__cause__ is None
+    with pytest.raises(RuntimeError, match="no signal"):
+        with interruptible():
+            raise RuntimeError("no signal")
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
 def _spawned_children(pid: int) -> list[int]:
     """The exporter's multiprocessing children (its lowering workers), from /proc."""
     kids = []
