@@ -38,7 +38,9 @@ bookkeeping only.
 
 Speculative artifacts: the MTP head's KV cache (mtp{i}.k_cache / v_cache, kind "kv") is cached as every
 attention layer's: a prefill chunk catches the head up over its positions (head position t on (h_t, x_{t+1}),
-x_{t+1} from the prompt), so after a chunk that ends at P the head's rows [0, P) are the miss's. The round carry
+x_{t+1} from the prompt), so after a chunk that ends at P the head's rows [0, P) are the miss's; except after a
+prompt's last chunk, whose last head row is made on the id sampled there (not the prompt's next token, which
+an extending prompt has): a block that ends at its prompt's end is not stored there. The round carry
 (kind "spec": spec.y, the head's output at the last prefilled position, and spec.pos) is not cached: every
 prefill chunk writes both for its slot before anything reads them, and a hit leaves at least one prompt token
 to prefill.
@@ -124,6 +126,7 @@ class PrefixCache:
                       for t, k in zip(state, self.kinds)]
         self.free_rows = list(range(self.capacity))
         self.kv = [i for i, k in enumerate(self.kinds) if k == "kv"]
+        self.speculative = "spec" in self.kinds   # the MTP head's KV among the KV tensors (module docstring)
         self.gdn = [i for i, k in enumerate(self.kinds) if k in ("conv", "recurrent")]
         # Every copy (a hit: pool rows -> slot, a store: slot -> a pool row) is one torch._foreach_copy_ per
         # dtype (bf16 KV and conv, fp32 recurrent: 2) over views made once, as first used, and kept in
@@ -193,9 +196,10 @@ class PrefixCache:
         Every stored block copies its C KV rows; the GDN state (most of a block's bytes) is copied only where a
         later hit can end: the prompt's last two block boundaries (the same prompt again, or one that extends
         it: a next turn) and a block a lookup marked wanted (prompts diverge after it). So a prefill with
-        nothing to share pays KV rows per block and one or two snapshots."""
+        nothing to share pays KV rows per block and one or two snapshots. Speculative: not the block that ends
+        at the prompt's end (its last head row is made on the sampled id; module docstring)."""
         b = done // self.C - 1
-        if done % self.C or len(chain) != b:
+        if done % self.C or len(chain) != b or (self.speculative and done == len(prompt)):
             return
         key = self.keys(prompt, b + 1, chain[-1].key if chain else None, b)[0]   # one block's hash
         e = self.entries.get(key)

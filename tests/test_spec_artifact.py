@@ -164,6 +164,13 @@ def test_prefix_cache_hits_equal_misses(spec_artifact, engines, one_thread):
                     (want.speculation["rounds"], want.speculation["accepted_mean"]), (k, i)
                 assert got.cached_tokens == (0 if k == i == 0 else 48), (k, i)
         assert cached.stats()["prefix_cache"]["hits"] == 7
+        # a prompt of exactly 3 blocks, then one that extends it (a next turn): the head's row at position 47
+        # was made on the id sampled there, not on the extension's 49th token, so that block is not reused
+        base, ext = ps[1][:40] + ps[2][:8], ps[1][:40] + ps[2][:8] + ps[3][:12]
+        cached.generate(base, 8)
+        want, got = on.generate(ext, 40), cached.generate(ext, 40)
+        assert got.token_ids == want.token_ids and got.speculation == want.speculation
+        assert got.cached_tokens == 32
     finally:
         cached.close()
 
