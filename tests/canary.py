@@ -138,7 +138,7 @@ def run_mix_http(url: str, model: str, n_prompts: int, repeats: int, leavers: in
 
             async def leaver(k):
                 await asyncio.sleep(rng.random() * 0.5)
-                body = {**_body(model, k % n_prompts, "t0.8-s11", 4 * max_new_tokens, True), "ignore_eos": True}
+                body = {**_body(model, k % n_prompts, "t0.8-s11", 6 * max_new_tokens, True), "ignore_eos": True}
                 assert await _http_ids(c, url, body, leave_after=2) is None
 
             got = await asyncio.gather(*[one(j, *job) for j, job in enumerate(jobs)],
