@@ -628,8 +628,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--prefix-cache-gb", type=float, default=None, metavar="G",
                    help="device memory for the prefix cache's blocks, in GiB (default: 10%% of the memory free "
-                        "after the weights, the slots and the workspace, at most 64 max_seq_len prompts; refused with tensor "
-                        "parallel, where it is off by default)")
+                        "after the weights, the slots and the workspace, at most 64 max_seq_len prompts; refused with "
+                        "tensor parallel, where it is off by default)")
     g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="prefill every prompt from token 0 (no prefix cache)")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: artifact dir name)")

@@ -51,7 +51,7 @@ from onegraph.custom_ops.sample import check_sampling
 
 from . import text
 from .artifact import Artifact
-from .executor import GraphExecutor, Sampling  # noqa: F401  (Sampling re-exported)
+from .executor import GraphExecutor, Sampling, max_chunk  # noqa: F401  (Sampling re-exported)
 
 log = logging.getLogger("onegraph.runtime")
 
@@ -156,8 +156,8 @@ class Engine:
         """An engine over an artifact: a directory (verified here, for `device`: default the artifact's) or an
         Artifact already loaded (on its own device). prefill_budget: see Engine. prefill_chunk: the largest
         chunk a prompt is fed in, one of the artifact's prefill chunks (default its largest;
-        GraphExecutor.set_max_chunk says what it trades), checked before any graph loads. A max_slots that does not
-        fit in the device's free memory (or `free_memory` bytes) is refused with a ValueError naming the
+        GraphExecutor.set_max_chunk says what it trades), checked before any graph loads. A max_slots that does
+        not fit in the device's free memory (or `free_memory` bytes) is refused with a ValueError naming the
         memory needed and free (GraphExecutor.from_artifact). prefix_cache_bytes: the prefix cache's pool
         (0: no cache; None: runtime/prefix_cache.py's default fraction of the memory left free), checked
         before any graph loads (prefix_cache.budget)."""
@@ -165,11 +165,7 @@ class Engine:
         if speculation and not art.speculative_tokens:     # refused before any graph loads
             raise ValueError(f"{art.path} has no draft / verify graphs: export it with --speculative-tokens K "
                              f"to decode speculatively")
-        chunks = sorted(g["bucket"] for g in art.graphs.values() if g["kind"] == "prefill")
-        chunk = chunks[-1] if prefill_chunk is None else prefill_chunk
-        if chunk not in chunks:
-            raise ValueError(f"a prefill chunk of {chunk} tokens: {art.path}'s prefill chunks are "
-                             f"{', '.join(map(str, chunks))}")
+        chunk = max_chunk(sorted(g["bucket"] for g in art.graphs.values() if g["kind"] == "prefill"), prefill_chunk)
         cache_bytes = 0
         if prefix_cache_bytes != 0:
             from . import prefix_cache
@@ -184,7 +180,8 @@ class Engine:
         eng = cls(ex, max_queue, speculation, prefill_budget, cache)
         log.info("onegraph engine: %s, %d slots, decode buckets %s, prefill chunks %s (prompts fed in chunks of "
                  "up to %d), prefill budget %s tokens per step, speculative tokens %s", ex.path, max_slots,
-                 ex.decode_buckets, ex.prefill_buckets, ex.max_chunk, eng.prefill_budget, ex.speculative_tokens if speculation is not False else "off")
+                 ex.decode_buckets, ex.prefill_buckets, ex.max_chunk, eng.prefill_budget,
+                 ex.speculative_tokens if speculation is not False else "off")
         log.info("onegraph load (wall s): %s", ", ".join(f"{k} {v:.2f}" for k, v in ex.load_timings_s.items()))
         if ex.fixture_report is not None:
             log.info("onegraph parity fixture: %s", ex.fixture_report)

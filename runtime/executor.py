@@ -105,6 +105,16 @@ class AotiGraph:
         self.run_with_stream = self.loader.run     # (inputs, stream capsule): for CUDA-graph capture
 
 
+def max_chunk(prefill_buckets: list[int], chunk: int | None) -> int:
+    """`chunk` (None: the largest bucket) if it is one of the sorted prefill buckets, else a ValueError of one line."""
+    if chunk is None:
+        return prefill_buckets[-1]
+    if chunk not in prefill_buckets:
+        raise ValueError(f"a prefill chunk of {chunk} tokens: the artifact's prefill chunks are "
+                         f"{', '.join(map(str, prefill_buckets))}")
+    return chunk
+
+
 class GraphExecutor:
     def __init__(self, graphs: dict, graph_meta: dict, state_meta: list, max_slots: int, max_seq_len: int,
                  vocab_size: int, device: torch.device):
@@ -143,10 +153,7 @@ class GraphExecutor:
         inter-token gaps) at the cost of the prompt's own prefill time, since every chunk reads the weights;
         it also changes the chunk partition, and with it the prompt's rounding (the prefix cache's block
         is this chunk). ValueError of one line for a size the artifact has no prefill graph for."""
-        if chunk not in self.prefill_buckets:
-            raise ValueError(f"a prefill chunk of {chunk} tokens: the artifact's prefill chunks are "
-                             f"{', '.join(map(str, self.prefill_buckets))}")
-        self.max_chunk = chunk
+        self.max_chunk = max_chunk(self.prefill_buckets, chunk)
 
     # ---- construction ----
     @classmethod

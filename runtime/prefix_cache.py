@@ -1,11 +1,11 @@
 """PrefixCache: reuse a prompt prefix's attention KV rows and GDN state across requests, exactly.
 
-A GDN layer's state cannot be rewound, so the cache keeps snapshots taken at block boundaries. A block is
-the engine's prefill chunk C (GraphExecutor.max_chunk, default the artifact's largest): chunk_tokens feeds
-every chunk but a prompt's last one C tokens, so each non-last chunk ends on a block boundary and its end is a snapshot point of the prefill that
-already runs (no extra pass); and a prefill resumed at a multiple of C runs the very chunk partition the
-uncached prefill runs, so a hit is bit-identical to a miss (same logits, same sampled tokens: sampling
-depends on the seed and the position only).
+A GDN layer's state cannot be rewound, so the cache keeps snapshots taken at block boundaries. A block is the
+engine's prefill chunk C (GraphExecutor.max_chunk, default the artifact's largest): chunk_tokens feeds every chunk
+but a prompt's last one C tokens, so each non-last chunk ends on a block boundary and its end is a snapshot point
+of the prefill that already runs (no extra pass); and a prefill resumed at a multiple of C runs the very chunk
+partition the uncached prefill runs, so a hit is bit-identical to a miss (same logits, same sampled tokens:
+sampling depends on the seed and the position only).
 
 Block k of a prompt (tokens [kC, (k+1)C)) is keyed by a sha256 chain: key_k = sha256(key_{k-1} || ids of
 block k), key_{-1} = the scope (the artifact's identity, dtype, backend, device: anything that changes the

@@ -1,7 +1,8 @@
 """The batch-invariance canary's logic on the CPU `tiny` artifact (tests/canary.py run_mix; the GPU canary,
 tests/test_cuda_canary.py, runs 224 requests on a CUDA artifact exported with --batch-invariant): 48 requests
 (3 prompts x greedy, temperature, top-k and top-p seeded samplers x 4 repeats), staggered through Engine.stream
-on 3 slots (decode buckets 1, 2, 4), each equal to its solo run token for token; and the same over HTTP (SSE, clients leaving mid-stream)."""
+on 3 slots (decode buckets 1, 2, 4), each equal to its solo run token for token; and the same over HTTP (SSE,
+clients leaving mid-stream)."""
 import canary
 import pytest
 
