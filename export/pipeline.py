@@ -144,9 +144,7 @@ class ExportOptions:
                if self.quant not in ("auto", "none", "fp8") else
                "cannot take --fp32-reduce (its fp32 projections are cuBLAS GEMMs, chosen by the batch)"
                if self.fp32_reduce else
-               "needs --tp 1 (the all-reduce's chunks follow the batch's bytes)" if self.tp > 1 else
-               "cannot take --speculative-tokens yet (AOTInductor's C++ wrapper of the invariant round graph does not "
-               "compile: an int array used outside the scope that declares it)" if self.speculative_tokens else None)
+               "needs --tp 1 (the all-reduce's chunks follow the batch's bytes)" if self.tp > 1 else None)
         if why:
             raise ValueError(f"--batch-invariant {why}")
 

@@ -214,7 +214,8 @@ def _trace(model, kind: str, bucket: int, args, dev, r: dict, k: int = 0):
     from onegraph.export.trace import trace
     t = time.time()
     ep, hist = trace(model, graph_spec(model, kind, bucket, args.max_seq_len, model.embed_tokens.weight.dtype, k),
-                     dev, args.kernels, fold_norms=not args.no_fold_norms)
+                     dev, args.kernels, fold_norms=not args.no_fold_norms,
+                     batch_invariant=args.batch_invariant and kind in ("decode", "spec"))   # as export does
     r["trace_s"] = round(time.time() - t, 1)
     r["graph_nodes"] = sum(hist.values())
     return ep
@@ -495,6 +496,9 @@ def main(argv=None) -> int:
     ap.add_argument("--transformers", action="store_true",
                     help="then transformers eager on the same config and batches (its own random weights)")
     ap.add_argument("--fp32-reduce", action="store_true", help="the export option of that name (TP-invariant sums)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="the export option of that name: decode and round graphs of the ops' one-row plans (its "
+                         "whole-step cost, run beside a run without it)")
     ap.add_argument("--parity-steps", type=int, default=1, help="replayed steps compared with eager, each")
     ap.add_argument("--identical-experts", action="store_true",
                     help="copy expert 0 into every expert of each layer: a router flip then cannot change the "
@@ -539,6 +543,14 @@ def main(argv=None) -> int:
     if args.fp8_lm_head and args.quant != "fp8":
         print("bench_big: --fp8-lm-head needs --quant fp8", file=sys.stderr)
         return 2
+    if args.batch_invariant:                            # the export's own check of what the option covers
+        from onegraph.export.pipeline import ExportOptions
+        try:
+            ExportOptions(device=args.device, kernels=args.kernels, quant=args.quant, fp32_reduce=args.fp32_reduce,
+                          batch_invariant=True)._validate_batch_invariant()
+        except ValueError as e:
+            print(f"bench_big: {e}", file=sys.stderr)
+            return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_big: needs a CUDA device", file=sys.stderr)
         return 2
@@ -572,8 +584,8 @@ def main(argv=None) -> int:
            "shape": args.shape, "dtype": args.dtype, "lower": args.lower,
            "layers": len(ModelConfig.from_hf(hf).layer_types), "layers_full": args.layers_full,
            "position": args.position, "kernels": args.kernels, "fp32_reduce": args.fp32_reduce,
-           "identical_experts": args.identical_experts, "quant": args.quant, "router": args.router,
-           "fold_norms": not args.no_fold_norms, "fp8_lm_head": args.fp8_lm_head}
+           "batch_invariant": args.batch_invariant, "identical_experts": args.identical_experts, "quant": args.quant,
+           "router": args.router, "fold_norms": not args.no_fold_norms, "fp8_lm_head": args.fp8_lm_head}
     t = time.time()
     cfg = ModelConfig.from_hf(hf)
     model = random_model(cfg, dtype, dev, fp32_reduce=args.fp32_reduce,   # every rank: the same weights

@@ -319,8 +319,7 @@ def test_35b_fp8_shapes_rows_equal_alone_where_the_defaults_do_not(B):
                                         (dict(device="cuda", kernels="reference"), "--kernels auto"),
                                         (dict(device="cuda", quant="int8"), "--quant none or fp8"),
                                         (dict(device="cuda", fp32_reduce=True), "--fp32-reduce"),
-                                        (dict(device="cuda", tp=2), "--tp 1"),
-                                        (dict(device="cuda", speculative_tokens=2), "--speculative-tokens")])
+                                        (dict(device="cuda", tp=2), "--tp 1")])
 def test_option_refuses_what_it_does_not_cover(kw, needle):
     from onegraph.export.pipeline import ExportOptions
     with pytest.raises(ValueError, match="--batch-invariant") as e:
@@ -378,7 +377,7 @@ def test_decode_graph_holds_only_the_invariant_variants(fp8):
 def test_speculative_graph_holds_only_the_invariant_variants():
     """tiny's speculative round graph (K = 2, bucket 2) traced under the option: the draft head's and the verify's
     rows take the variants too (the verify's GDN layers gdn_decode_steps'), no default Triton op of a row-dependent
-    plan is left. (The export still refuses the pair: AOTInductor does not compile this graph yet, ExportOptions.)"""
+    plan is left."""
     from onegraph.checkpoint.load import load_model
     from onegraph.custom_ops import _registry
     from onegraph.export.entry import graph_spec

@@ -26,7 +26,8 @@ def test_plot_usage_error():
 
 def test_big_preset_user_errors(tmp_path):
     """`onegraph bench --preset qwen3.5-35b-a3b`: no --out, or no CUDA device; bench_big given a prefill longer
-    than the cache, or --fp8-lm-head without --quant fp8 -> one line, exit 2 (before any lowering)."""
+    than the cache, --fp8-lm-head without --quant fp8, or --batch-invariant where the export refuses it -> one line,
+    exit 2 (before any lowering)."""
     import torch
     base = [sys.executable, "-m", "onegraph", "bench", "--preset", "qwen3.5-35b-a3b"]
     r = subprocess.run(base, capture_output=True, text=True)
@@ -40,6 +41,9 @@ def test_big_preset_user_errors(tmp_path):
     r = subprocess.run([sys.executable, "-m", "onegraph.scripts.bench_big", "--fp8-lm-head", "--out",
                         str(tmp_path / "x.json")], capture_output=True, text=True)
     assert r.returncode == 2 and "--fp8-lm-head needs --quant fp8" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "onegraph.scripts.bench_big", "--batch-invariant", "--quant", "int8",
+                        "--out", str(tmp_path / "x.json")], capture_output=True, text=True)
+    assert r.returncode == 2 and "--batch-invariant needs --quant none or fp8" in r.stderr, r.stderr
 
 
 def test_identical_experts_make_the_moe_blind_to_routing():

@@ -1,6 +1,6 @@
 """The batch-invariance canary on a GPU (run on the H200 through the device tool; skipped without CUDA): a bf16
 `tiny` CUDA artifact exported with --batch-invariant (decode buckets 1, 4, 8; prefill chunks 16 and 64), and one
-with --quant fp8 --fp8-lm-head besides; on each, 224 requests (7 prompts x 4 samplers: greedy; temperature 0.8
+with --quant fp8 --fp8-lm-head and one with --speculative-tokens 2 besides; on each, 224 requests (7 prompts x 4 samplers: greedy; temperature 0.8
 seed 11; top-k 20 seed 3; top-p 0.9 at temperature 0.7 seed 5; x 8 repeats) staggered through Engine.stream on
 8 slots, each equal to the same request run alone,
 token for token (tests/canary.py run_mix); and the same 224 over the OpenAI server (in this process, 8 slots):
@@ -42,8 +42,9 @@ def _mix(path, http=False):
         eng.close()
 
 
-# bf16 weights; block-FP8 projections, experts and lm_head (--quant fp8 --fp8-lm-head)
-INVARIANT = {"bf16": dict(), "fp8": dict(quant="fp8", fp8_lm_head=True)}
+# bf16 weights; block-FP8 projections, experts and lm_head (--quant fp8 --fp8-lm-head); bf16 with the MTP head's
+# speculative rounds (K = 2: every request of the mix runs them, its verify rows beside other slots')
+INVARIANT = {"bf16": dict(), "fp8": dict(quant="fp8", fp8_lm_head=True), "spec": dict(speculative_tokens=2)}
 
 
 @pytest.fixture(scope="module", params=list(INVARIANT))
@@ -62,7 +63,7 @@ def test_invariant_artifact_records_the_option(invariant_artifact):
     lin, moe = ("linear_fp8", "fused_moe_fp8") if weights == "fp8" else ("linear", "fused_moe")
     for name, g in m["graphs"].items():
         ops = set(g["ops"])
-        if g["kind"] == "decode":
+        if g["kind"] in ("decode", "spec"):
             assert {f"onegraph::{lin}_invariant_triton", f"onegraph::{moe}_invariant_triton",
                     "onegraph::attention_decode_invariant_triton"} <= ops, name
             assert not {f"onegraph::{lin}_triton", f"onegraph::{moe}_triton"} & ops, name
