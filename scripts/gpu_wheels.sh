@@ -2,7 +2,8 @@
 # The server's (and its GPU test's) Python dependencies for a GPU host that cannot reach a package
 # index. The H200 image (Python 3.12, torch+cu130) already holds torch, numpy, safetensors, tokenizers,
 # jinja2/markupsafe and tqdm, in versions onegraph accepts; it lacks fastapi, starlette, pydantic, uvicorn
-# and openai (and may hold older anyio/idna/typing-extensions than they need), so those travel as wheels.
+# and openai (and may hold older anyio/idna/typing-extensions than they need), so those travel as wheels; so
+# does flash-linear-attention, the GDN kernels' GPU oracle.
 #
 #   scripts/gpu_wheels.sh fetch [DIR]          on a machine with network: cp312 manylinux wheels into DIR (.whl)
 #   scripts/gpu_wheels.sh install DIR SITE     on the GPU host: unpack them into SITE, check the imports;
@@ -21,6 +22,8 @@ WHEELS=(
   # tests: the official openai client (over httpx2) and raw httpx
   openai==3.57.0 jiter==0.19.0 sniffio==1.3.1 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
   httpx==0.28.1 httpcore==1.0.9 certifi==2026.5.20
+  # the GDN oracle (tests/test_fla_oracle.py, scripts/bench_gdn_prefill.py): flash-linear-attention's kernels
+  fla-core==0.6.0 einops==0.8.2
 )
 PY=${PYTHON:-python3}
 

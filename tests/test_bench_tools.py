@@ -26,8 +26,8 @@ def test_plot_usage_error():
 
 def test_big_preset_user_errors(tmp_path):
     """`onegraph bench --preset qwen3.5-35b-a3b`: no --out, or no CUDA device; bench_big given a prefill longer
-    than the cache, --fp8-lm-head without --quant fp8, or --batch-invariant where the export refuses it -> one line,
-    exit 2 (before any lowering)."""
+    than the cache, --fp8-lm-head without --quant fp8, or --batch-invariant where the export refuses it; the GDN
+    prefill bench without a GPU -> one line, exit 2 (before any lowering)."""
     import torch
     base = [sys.executable, "-m", "onegraph", "bench", "--preset", "qwen3.5-35b-a3b"]
     r = subprocess.run(base, capture_output=True, text=True)
@@ -44,6 +44,10 @@ def test_big_preset_user_errors(tmp_path):
     r = subprocess.run([sys.executable, "-m", "onegraph.scripts.bench_big", "--batch-invariant", "--quant", "int8",
                         "--out", str(tmp_path / "x.json")], capture_output=True, text=True)
     assert r.returncode == 2 and "--batch-invariant needs --quant none or fp8" in r.stderr, r.stderr
+    if not torch.cuda.is_available():
+        r = subprocess.run([sys.executable, "-m", "onegraph.scripts.bench_gdn_prefill", "--out", str(tmp_path / "g.json")],
+                           capture_output=True, text=True)
+        assert r.returncode == 2 and "needs a CUDA device" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_identical_experts_make_the_moe_blind_to_routing():
