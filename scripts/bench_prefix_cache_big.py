@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     res["build_s"] = round(time.time() - t, 1)
     weights = {f"model.{n}": p for n, p in model.named_parameters()}
     weights.update({f"model.{n}": b for n, b in model.named_buffers()})
-    args.no_fold_norms, args.loader_cls = False, None           # what bench_big.lower reads of its own args
+    args.no_fold_norms, args.batch_invariant, args.loader_cls = False, False, None   # what bench_big.lower reads
     r_lower: dict = {}
     graph = lower(model, weights, "prefill", C, args, dev, r_lower)
     res["lowering"] = r_lower
