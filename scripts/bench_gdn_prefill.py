@@ -87,7 +87,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     dev = torch.device("cuda")
-    res = {"command": "python -m onegraph.scripts.bench_gdn_prefill " + " ".join(sys.argv[1:] if argv is None else argv),
+    args = sys.argv[1:] if argv is None else argv
+    res = {"command": "python -m onegraph.scripts.bench_gdn_prefill " + " ".join(args),
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "fla": fla.__version__, "shape": GDN,
            "rows": []}
     for T in a.tokens:

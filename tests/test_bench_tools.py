@@ -45,8 +45,8 @@ def test_big_preset_user_errors(tmp_path):
                         "--out", str(tmp_path / "x.json")], capture_output=True, text=True)
     assert r.returncode == 2 and "--batch-invariant needs --quant none or fp8" in r.stderr, r.stderr
     if not torch.cuda.is_available():
-        r = subprocess.run([sys.executable, "-m", "onegraph.scripts.bench_gdn_prefill", "--out", str(tmp_path / "g.json")],
-                           capture_output=True, text=True)
+        r = subprocess.run([sys.executable, "-m", "onegraph.scripts.bench_gdn_prefill", "--out",
+                            str(tmp_path / "g.json")], capture_output=True, text=True)
         assert r.returncode == 2 and "needs a CUDA device" in r.stderr and "Traceback" not in r.stderr
 
 

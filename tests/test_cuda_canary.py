@@ -1,11 +1,11 @@
 """The batch-invariance canary on a GPU (run on the H200 through the device tool; skipped without CUDA): a bf16
-`tiny` CUDA artifact exported with --batch-invariant (decode buckets 1, 4, 8; prefill chunks 16 and 64), and one
-with --quant fp8 --fp8-lm-head and one with --speculative-tokens 2 besides; on each, 224 requests (7 prompts x 4 samplers: greedy; temperature 0.8
-seed 11; top-k 20 seed 3; top-p 0.9 at temperature 0.7 seed 5; x 8 repeats) staggered through Engine.stream on
-8 slots, each equal to the same request run alone,
-token for token (tests/canary.py run_mix); and the same 224 over the OpenAI server (in this process, 8 slots):
-half streamed as SSE, 16 long streamed neighbours whose clients leave after two chunks (run_mix_http). The same
-mix on the CPU artifact: tests/test_canary_mix.py.
+`tiny` CUDA artifact exported with --batch-invariant (decode buckets 1, 4, 8; prefill chunks 16 and 64), one with
+--quant fp8 --fp8-lm-head and one with --speculative-tokens 2 besides; on each, 224 requests (7 prompts x 4
+samplers: greedy; temperature 0.8 seed 11; top-k 20 seed 3; top-p 0.9 at temperature 0.7 seed 5; x 8 repeats)
+staggered through Engine.stream on 8 slots, each equal to the same request run alone, token for token
+(tests/canary.py run_mix); and the same 224 over the OpenAI server (in this process, 8 slots): half streamed as
+SSE, 16 long streamed neighbours whose clients leave after two chunks (run_mix_http). The same mix on the CPU
+artifact: tests/test_canary_mix.py.
 test_default_artifact_for_the_record runs the mix on the artifact exported without the option and prints its
 count (batching may legitimately change a row's last bits there, so it asserts nothing about them)."""
 import canary
