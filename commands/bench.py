@@ -16,6 +16,7 @@ measured.
 """
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import platform
 import subprocess
@@ -143,8 +144,7 @@ def run(args) -> dict | None:
     from onegraph.runtime import ranks
     from onegraph.runtime.artifact import is_artifact
     from onegraph.runtime.executor import GraphExecutor
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     rank, tp = _tp_init(args)
     src = model_dir(args.preset)
     batch = tuple(sorted(set(args.batch_sizes)))
@@ -199,17 +199,36 @@ def run(args) -> dict | None:
     }
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1, else argparse's one-line usage error (not a traceback later)."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return v
+
+
+def batch_sizes(text: str) -> list[int]:
+    """--batch-sizes "1,4" -> [1, 4]; anything but positive integers is argparse's one-line usage error."""
+    try:
+        return [positive_int(x) for x in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated positive integers, got {text!r}") from None
+
+
 def add_args(p) -> None:
     p.add_argument("--preset", default="tiny",
                    help="`tiny`, an HF-format model directory, or `qwen3.5-35b-a3b` (CUDA: the real shape with "
                         "random bf16 weights built on the device, lowered and replayed in memory; scripts/bench_big.py)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
-    p.add_argument("--prefill-chunk", type=int, default=64)
-    p.add_argument("--max-seq-len", type=int, default=256)
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--threads", type=int, default=1, help="intra-op threads (1 for tiny CPU runs: less noise)")
+    p.add_argument("--batch-sizes", type=batch_sizes, default=[1, 4])
+    p.add_argument("--prefill-chunk", type=positive_int, default=64)
+    p.add_argument("--max-seq-len", type=positive_int, default=256)
+    p.add_argument("--steps", type=positive_int, default=200)
+    p.add_argument("--threads", type=positive_int, default=1, help="intra-op threads (1 for tiny CPU runs: less noise)")
     p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
                    help="export the MTP draft/verify graphs too; the engine is then timed with speculation on and off")
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N", help="with --speculative-tokens: as export's")

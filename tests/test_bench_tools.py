@@ -50,6 +50,18 @@ def test_big_preset_user_errors(tmp_path):
         assert r.returncode == 2 and "needs a CUDA device" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_bench_flags_user_errors(tmp_path):
+    """`onegraph bench` given a count that is not a positive integer (a batch list with a 0 or a word, --steps 0, a
+    negative --threads): argparse's usage error naming the flag, exit 2, no traceback (--steps 0 divided by zero)."""
+    for flags, needle in ((["--batch-sizes", "1,0"], "--batch-sizes: must be comma-separated positive integers"),
+                          (["--batch-sizes", "x"], "--batch-sizes: must be comma-separated positive integers"),
+                          (["--steps", "0"], "--steps: must be a positive integer"),
+                          (["--threads", "-1"], "--threads: must be a positive integer")):
+        r = subprocess.run([sys.executable, "-m", "onegraph", "bench", *flags, "--out", str(tmp_path / "b.json")],
+                           capture_output=True, text=True)
+        assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, (flags, r.stderr)
+
+
 def test_identical_experts_make_the_moe_blind_to_routing():
     """bench_big --identical-experts rests on this: once every expert is expert 0, another router (here a
     random one, which picks other experts) leaves the MoE output unchanged up to rounding, while with the
