@@ -130,10 +130,10 @@ class ExportOptions:
             raise ValueError("--draft-vocab needs --weights copy (referenced weights are remade from the checkpoint "
                              "alone, which holds no draft vocabulary)")
         if self.batch_invariant:
-            self._validate_batch_invariant()
+            self.validate_batch_invariant()
         resolve_dtype(self.dtype)
 
-    def _validate_batch_invariant(self) -> None:
+    def validate_batch_invariant(self) -> None:
         """--batch-invariant covers the bf16 / fp16 / fp32 Triton decode graphs of one GPU; the rest is refused
         until it has invariant kernels of its own (docs/design.md, "Batch invariance")."""
         why = ("needs --device cuda or xpu (the CPU graphs are aten's, whose GEMMs pick their kernels from the batch)"

@@ -547,7 +547,7 @@ def main(argv=None) -> int:
         from onegraph.export.pipeline import ExportOptions
         try:
             ExportOptions(device=args.device, kernels=args.kernels, quant=args.quant, fp32_reduce=args.fp32_reduce,
-                          batch_invariant=True)._validate_batch_invariant()
+                          batch_invariant=True).validate_batch_invariant()
         except ValueError as e:
             print(f"bench_big: {e}", file=sys.stderr)
             return 2
